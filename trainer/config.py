@@ -1,0 +1,249 @@
+"""The run config: the only input of a run (YAML, typed, unknown keys are errors).
+
+Light side: imports no torch/transformers. Defaults follow the DFlash paper and SpecForge's recipe
+where they exist (CE loss, gamma 7, 512 anchors, lr 6e-4, warmup + cosine, clip 1.0).
+
+Paths given relative are resolved against the config file's folder, so a run folder can be moved.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+SCHEMA_VERSION = 1
+
+
+class ConfigError(ValueError):
+    """A run config that cannot be used; the message says what to change."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TargetConfig(_Section):
+    path: Path = Field(description="transformers model folder (config.json + *.safetensors)")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="auto: bfloat16 on CUDA, float32 on CPU"
+    )
+    gpus_per_copy: int = Field(
+        1, ge=1, description="GPUs one target copy is split over (layer-wise); see `dflash plan`"
+    )
+
+
+class DataConfig(_Section):
+    path: Path = Field(description="datasets.save_to_disk folder with input_ids and loss_mask")
+    max_length: int = Field(4096, ge=8, description="samples longer than this are dropped (counted)")
+
+
+class DrafterConfig(_Section):
+    num_layers: int = Field(1, ge=1, description="draft decoder layers")
+    block_size: int = Field(16, description="draft block size B (paper: 16); B-1 tokens speculated")
+    aux_layer_ids: list[int] = Field(description="target layers fed to the drafter's fc")
+    layer_id_convention: Literal["speculators", "specforge"] = Field(
+        "speculators",
+        description="speculators/vLLM: id k = HF hidden_states[k]; specforge/z-lab: id i = output "
+        "of decoder layer i = hidden_states[i+1]",
+    )
+    mask_token_id: int = Field(description="a real, non-special-purpose row of the target embedding")
+    intermediate_size: int | None = Field(None, ge=1, description="MLP width; default: the target's")
+    sliding_window: int | None = Field(None, ge=1, description="window of sliding layers")
+    full_attention_layers: list[int] | None = Field(
+        None, description="draft layers with full attention when sliding_window is set (default: last)"
+    )
+    attn_implementation: Literal["auto", "sdpa", "eager", "simple_flex_attention"] = Field(
+        "auto", description="auto: sdpa on CPU, simple_flex_attention on CUDA"
+    )
+    warm_start: Path | None = Field(
+        None, description="speculators checkpoint folder to take initial weights from (not a resume)"
+    )
+
+    @property
+    def aux_ids(self) -> list[int]:
+        """aux_layer_ids in speculators' convention (HF hidden_states index)."""
+        if self.layer_id_convention == "specforge":
+            return [i + 1 for i in self.aux_layer_ids]
+        return list(self.aux_layer_ids)
+
+
+class TrainConfig(_Section):
+    max_steps: int = Field(1000, ge=1, description="optimizer steps; the last step event has step=max_steps")
+    lr: float = Field(6.0e-4, gt=0, description="peak learning rate (SpecForge Qwen3.6-27B: 6e-4)")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="cosine floor as a fraction of lr")
+    warmup_steps: int | None = Field(None, ge=0, description="default: warmup_ratio * max_steps")
+    warmup_ratio: float = Field(0.04, ge=0, le=1)
+    schedule: Literal["cosine", "constant"] = "cosine"
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = Field(1.0, gt=0, description="max global grad norm")
+    seed: int = 0
+    checkpoint_every: int = Field(500, ge=1, description="steps between checkpoints (and one at the end)")
+    keep_checkpoints: int = Field(3, ge=1, description="newest K complete checkpoints kept")
+    max_tokens_per_batch: int = Field(
+        8192, ge=8, description="packed sequence length per rank (batch size 1, document ids)"
+    )
+    loss: Literal["ce", "kl_div"] = Field("ce", description="ce: hard CE to the verifier argmax (paper)")
+    gamma: float = Field(7.0, gt=0, description="per-position loss decay exp(-(k-1)/gamma)")
+    max_anchors: int = Field(512, ge=1, description="anchored blocks sampled per packed batch")
+    precision: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="auto: bf16 autocast on CUDA, float32 on CPU"
+    )
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    log_every: int = Field(1, ge=1)
+    stop_timeout_s: float = Field(
+        600.0, gt=0, description="bound on SIGTERM -> final checkpoint -> exit; past it the run exits 3"
+    )
+    nan_tolerance: int = Field(
+        3, ge=0, description="consecutive non-finite losses skipped (warned) before the run stops"
+    )
+
+    @model_validator(mode="after")
+    def _warmup(self) -> "TrainConfig":
+        if self.warmup_steps is not None and self.warmup_steps > self.max_steps:
+            raise ValueError(f"warmup_steps ({self.warmup_steps}) > max_steps ({self.max_steps})")
+        return self
+
+    @property
+    def resolved_warmup_steps(self) -> int:
+        if self.warmup_steps is not None:
+            return self.warmup_steps
+        return int(self.warmup_ratio * self.max_steps)
+
+
+class PreflightConfig(_Section):
+    min_supervised_tokens: int = Field(16, ge=2, description="samples with fewer are 'short'")
+    max_bad_fraction: float = Field(
+        0.10, ge=0, le=1, description="refuse when short / unusable samples exceed this share"
+    )
+    deep_layer_warn_gap: float = Field(
+        0.25, ge=0, le=1, description="warn when the deepest aux layer is this far (share of depth) below the top"
+    )
+    disk_reserve_gb: float = Field(2.0, ge=0, description="free disk kept beyond K checkpoints")
+    check_memory: bool = True
+
+
+class RunConfig(_Section):
+    schema_version: int = SCHEMA_VERSION
+    target: TargetConfig
+    data: DataConfig
+    drafter: DrafterConfig
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    preflight: PreflightConfig = Field(default_factory=PreflightConfig)
+    out_dir: Path
+
+    @field_validator("schema_version")
+    @classmethod
+    def _schema(cls, v: int) -> int:
+        if v != SCHEMA_VERSION:
+            raise ValueError(f"this dflash reads schema_version {SCHEMA_VERSION}, the file says {v}")
+        return v
+
+    def resolve_paths(self, base: Path) -> "RunConfig":
+        def fix(p: Path | None) -> Path | None:
+            if p is None:
+                return None
+            p = Path(p).expanduser()
+            return p if p.is_absolute() else (base / p).resolve()
+
+        self.target.path = fix(self.target.path)
+        self.data.path = fix(self.data.path)
+        self.out_dir = fix(self.out_dir)
+        self.drafter.warm_start = fix(self.drafter.warm_start)
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+def _parse_scalar(text: str) -> Any:
+    """`--set` values are YAML scalars/flow collections: 3, 3e-4, true, [1, 2], null, a/path."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--set value {text!r} is not valid YAML: {exc}") from None
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `a.b=value` overrides to a raw config dict (before validation)."""
+    out = copy.deepcopy(raw)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected KEY.PATH=VALUE, e.g. --set train.lr=3e-4")
+        key, value = item.split("=", 1)
+        parts = [p for p in key.strip().split(".") if p]
+        if not parts:
+            raise ConfigError(f"--set {item!r}: empty key")
+        node = out
+        for p in parts[:-1]:
+            nxt = node.setdefault(p, {})
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"--set {item!r}: {p!r} is not a section")
+            node = nxt
+        node[parts[-1]] = _parse_scalar(value)
+    return out
+
+
+def _format_validation_error(exc: ValidationError, source: str) -> str:
+    lines = [f"{source}: invalid run config ({exc.error_count()} problem(s)):"]
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        if err["type"] == "extra_forbidden":
+            lines.append(f"  - {loc}: unknown key (check its spelling; `dflash config --schema` lists keys)")
+        elif err["type"] == "missing":
+            lines.append(f"  - {loc}: required key is missing")
+        else:
+            lines.append(f"  - {loc}: {err['msg']} (got {err.get('input')!r})")
+    return "\n".join(lines)
+
+
+def config_from_dict(raw: dict[str, Any], base: Path, source: str = "config") -> RunConfig:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping, got {type(raw).__name__}")
+    try:
+        cfg = RunConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(_format_validation_error(exc, source)) from None
+    return cfg.resolve_paths(base)
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"run config {path} does not exist (pass --config FILE)")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    raw = apply_overrides(raw, overrides or [])
+    return config_from_dict(raw, path.resolve().parent, str(path))
+
+
+def dump_config(cfg: RunConfig, path: Path) -> None:
+    """Write the resolved config (atomic) so a run folder records exactly what ran."""
+    from trainer.fsutil import atomic_write_text
+
+    atomic_write_text(path, yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+
+
+def schema_reference() -> list[tuple[str, str, str, str]]:
+    """(key, type, default, description) rows for docs and `dflash config --schema`."""
+    rows: list[tuple[str, str, str, str]] = []
+
+    def walk(model: type[BaseModel], prefix: str) -> None:
+        for name, field in model.model_fields.items():
+            ann = field.annotation
+            key = f"{prefix}{name}"
+            if isinstance(ann, type) and issubclass(ann, BaseModel):
+                walk(ann, key + ".")
+                continue
+            default = "required" if field.is_required() else repr(field.get_default(call_default_factory=True))
+            tname = getattr(ann, "__name__", None) or str(ann).replace("typing.", "")
+            rows.append((key, tname, default, field.description or ""))
+
+    walk(RunConfig, "")
+    return rows
