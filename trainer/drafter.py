@@ -1,0 +1,95 @@
+"""The drafter: speculators' DFlashDraftModel built from the target's config, with the target's
+embedding, head and final norm (frozen). Heavy side."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from trainer.config import RunConfig
+
+
+def resolve_attn_impl(name: str, device: torch.device) -> str:
+    """CPU has no flex-attention backward: sdpa there; flex on CUDA (speculators' default)."""
+    if name == "auto":
+        return "simple_flex_attention" if device.type == "cuda" else "sdpa"
+    if name == "simple_flex_attention" and device.type != "cuda":
+        raise ValueError("drafter.attn_implementation simple_flex_attention has no backward on CPU: use sdpa")
+    return name
+
+
+def loss_implementation(device: torch.device) -> str:
+    """speculators' fused loss needs Triton (CUDA); the eager one runs anywhere."""
+    return "fused" if device.type == "cuda" else "eager"
+
+
+def draft_layer_config(cfg: RunConfig):
+    """The draft decoder config, seeded from the target's (speculators' own builder)."""
+    from speculators.train.cli import create_transformer_layer_config
+
+    d = cfg.drafter
+    full = d.full_attention_layers
+    if full is None:
+        full = list(range(d.num_layers)) if d.sliding_window is None else [d.num_layers - 1]
+    tl = create_transformer_layer_config(
+        str(cfg.target.path),
+        num_layers=d.num_layers,
+        draft_arch="qwen3",
+        hidden_act=None,
+        sliding_window=d.sliding_window,
+        full_attention_indices=full,
+    )
+    if d.intermediate_size is not None:
+        tl.intermediate_size = d.intermediate_size
+    return tl
+
+
+def build_drafter(cfg: RunConfig, device: torch.device):
+    """A fresh drafter (or one warm-started from `drafter.warm_start`), trainable params fp32."""
+    import logging
+
+    from speculators.models.dflash import DFlashDraftModel
+
+    logging.getLogger("speculators").setLevel(logging.WARNING)
+    tl = draft_layer_config(cfg)
+    vocab = int(tl.vocab_size)
+    model = DFlashDraftModel.from_training_args(
+        tl,
+        draft_vocab_size=vocab,
+        block_size=cfg.drafter.block_size,
+        verifier_name_or_path=str(cfg.target.path),
+        target_layer_ids=cfg.drafter.aux_ids,
+        mask_token_id=cfg.drafter.mask_token_id,
+        draft_attn_impl=resolve_attn_impl(cfg.drafter.attn_implementation, device),
+    )
+    if list(model.target_layer_ids) != list(cfg.drafter.aux_ids):  # never silently rewired
+        raise RuntimeError(f"drafter wired to {model.target_layer_ids}, config asks {cfg.drafter.aux_ids}")
+    if cfg.drafter.warm_start is not None:
+        load_trainable_weights(model, Path(cfg.drafter.warm_start) / "model.safetensors")
+    return model.to(device)
+
+
+def trainable_state(model) -> dict[str, torch.Tensor]:
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
+def load_trainable_weights(model, path: Path) -> None:
+    """Load every trainable tensor from a speculators model.safetensors; shapes must match."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(path))
+    want = trainable_state(model)
+    missing = sorted(set(want) - set(tensors))
+    if missing:
+        raise ValueError(f"{path}: missing trainable tensors {missing[:5]}{'...' if len(missing) > 5 else ''}")
+    for name, param in want.items():
+        src = tensors[name]
+        if tuple(src.shape) != tuple(param.shape):
+            raise ValueError(f"{path}: {name} has shape {tuple(src.shape)}, the drafter needs {tuple(param.shape)}")
+        with torch.no_grad():
+            param.copy_(src.to(param.dtype))
+
+
+def count_trainable(model) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -1,0 +1,43 @@
+"""The hidden-state source interface the training loop depends on."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:  # the light side stays importable without torch
+    import torch
+
+    from trainer.config import RunConfig
+
+
+@dataclass
+class Captured:
+    """What one target forward yields for the drafter (all on the drafter's device)."""
+
+    aux: "torch.Tensor"  # [1, T, n_aux * H]: aux layers concatenated in aux_ids order
+    last: "torch.Tensor"  # [1, T, H]: the verifier's last hidden state, BEFORE the final norm
+
+
+class HiddenStateSource(Protocol):
+    aux_ids: list[int]  # speculators convention: id k = HF hidden_states[k]
+    hidden_size: int
+    num_layers: int
+
+    def capture(self, input_ids: "torch.Tensor", position_ids: "torch.Tensor") -> Captured:
+        """Run the frozen target on one packed sequence ([1, T] each; positions restart per
+        document) and return its features. Never computes the target's lm_head."""
+        ...
+
+
+def make_source(cfg: "RunConfig", device: "torch.device", devices: list["torch.device"] | None = None):
+    """The source a run config asks for (only the in-process hooked target so far)."""
+    from trainer.sources.hooked import HookedTransformersSource
+
+    return HookedTransformersSource(
+        cfg.target.path,
+        cfg.drafter.aux_ids,
+        dtype=cfg.target.dtype,
+        out_device=device,
+        devices=devices or [device],
+    )
