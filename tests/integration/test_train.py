@@ -1,0 +1,169 @@
+"""`dflash train` end to end on a tiny real Qwen3 target (CPU): loss falls on target-generated data,
+exact resume after kill -9, SIGTERM -> final checkpoint, 2-process gloo DDP, speculators reload,
+a corrupt newest checkpoint is reported and skipped."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import write_config
+from trainer.checkpoint import list_checkpoints, read_latest, verify_checkpoint
+from trainer.events import load_events
+
+pytestmark = pytest.mark.slow
+
+FAST = {"max_tokens_per_batch": 256, "max_anchors": 32, "lr": 1.0e-3, "warmup_steps": 2}
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+DFLASH = [sys.executable, "-m", "trainer.cli"]
+
+
+def cfg_file(tmp_path, tiny_target, tiny_data, name="run", **train):
+    return write_config(tmp_path / f"{name}.yaml", tiny_target, tiny_data, tmp_path / name,
+                        train={**FAST, **train})
+
+
+def run_train(cfg: Path, timeout=300) -> subprocess.CompletedProcess:
+    return subprocess.run([*DFLASH, "train", "--config", str(cfg)], env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+def events_of(out_dir: Path, kind: str) -> list[dict]:
+    return [e for e in load_events(out_dir / "events.jsonl") if e["event"] == kind]
+
+
+def wait_for(pred, timeout=180, every=0.1):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(every)
+    return False
+
+
+def final_weights(out_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(read_latest(out_dir) / "model.safetensors"))
+
+
+def test_loss_falls_and_the_stream_is_complete(tmp_path, tiny_target, tiny_data):
+    cfg = cfg_file(tmp_path, tiny_target, tiny_data, max_steps=40, checkpoint_every=10)
+    res = run_train(cfg)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    out = tmp_path / "run"
+    steps = events_of(out, "step")
+    assert [s["step"] for s in steps] == list(range(1, 41)), "steps count from 1 to max_steps"
+    first = sum(s["loss"] for s in steps[:5]) / 5
+    last = sum(s["loss"] for s in steps[-5:]) / 5
+    assert last < 0.8 * first, f"loss did not fall: {first:.3f} -> {last:.3f}"
+    for key in ("loss", "tokens", "eal", "position_acc", "lr", "grad_norm", "tokens_per_s", "target_s", "drafter_s"):
+        assert key in steps[-1]
+    assert len(steps[-1]["position_acc"]) == 3  # block 4: slots 1..3
+    start = events_of(out, "run_start")[0]
+    assert start["totals"]["total_steps"] == 40 and start["layout"]["aux_ids"] == [1, 2]
+    assert events_of(out, "run_end")[-1]["status"] == "completed"
+    assert [c["step"] for c in events_of(out, "checkpoint")] == [10, 20, 30, 40]
+    assert (out / "train.log").read_text().count("step ") >= 2
+    # keep K (default 3): step 10 rotated away; latest names the final one
+    assert [p.name for p in list_checkpoints(out)] == ["step-00000020", "step-00000030", "step-00000040"]
+    assert read_latest(out).name == "step-00000040"
+    for c in list_checkpoints(out):
+        assert verify_checkpoint(c) == []
+
+
+def test_checkpoint_reloads_in_speculators(tmp_path, tiny_target, tiny_data):
+    cfg = cfg_file(tmp_path, tiny_target, tiny_data, max_steps=3, checkpoint_every=3)
+    assert run_train(cfg).returncode == 0
+    from speculators import SpeculatorModel
+
+    folder = read_latest(tmp_path / "run")
+    model = SpeculatorModel.from_pretrained(str(folder))
+    assert type(model).__name__ == "DFlashDraftModel"
+    assert model.config.aux_hidden_state_layer_ids == [1, 2] and model.config.block_size == 4
+    saved = load_file(str(folder / "model.safetensors"))
+    state = model.state_dict()
+    assert saved and all(torch.equal(state[k], v) for k, v in saved.items())
+    assert "optimizer" not in json.dumps(json.loads((folder / "config.json").read_text()))
+
+
+def test_exact_resume_after_kill_9(tmp_path, tiny_target, tiny_data):
+    ref = cfg_file(tmp_path, tiny_target, tiny_data, name="ref", max_steps=12, checkpoint_every=4)
+    assert run_train(ref).returncode == 0
+    cfg = cfg_file(tmp_path, tiny_target, tiny_data, name="killed", max_steps=12, checkpoint_every=4)
+    out = tmp_path / "killed"
+    proc = subprocess.Popen([*DFLASH, "train", "--config", str(cfg)], env=ENV,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        assert wait_for(lambda: any(s["step"] >= 6 for s in events_of(out, "step"))), "never reached step 6"
+    finally:
+        proc.kill()  # SIGKILL: no handler runs
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    assert max(c["step"] for c in events_of(out, "checkpoint")) < 12
+    res = run_train(cfg)
+    assert res.returncode == 0, res.stderr[-3000:]
+    starts = events_of(out, "run_start")
+    assert starts[-1]["resumed_from"] is not None and starts[-1]["start_step"] >= 4
+    a, b = final_weights(tmp_path / "ref"), final_weights(out)
+    assert a.keys() == b.keys()
+    diff = [k for k in a if not torch.equal(a[k], b[k])]
+    assert diff == [], f"resumed run differs from the uninterrupted one in {diff}"
+
+
+def test_sigterm_writes_a_final_checkpoint_and_exits_0(tmp_path, tiny_target, tiny_data):
+    cfg = cfg_file(tmp_path, tiny_target, tiny_data, max_steps=500, checkpoint_every=1000)
+    out = tmp_path / "run"
+    proc = subprocess.Popen([*DFLASH, "train", "--config", str(cfg)], env=ENV,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    assert wait_for(lambda: len(events_of(out, "step")) >= 3)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0
+    stopped_in = time.monotonic() - t0
+    ck = events_of(out, "checkpoint")
+    assert len(ck) == 1 and ck[0]["reason"] == "signal"
+    end = events_of(out, "run_end")[-1]
+    assert end["status"] == "stopped" and end["signal"] == signal.SIGTERM
+    assert end["step"] == ck[0]["step"] and verify_checkpoint(read_latest(out)) == []
+    assert stopped_in < 30
+
+
+def test_corrupt_newest_checkpoint_is_reported_and_previous_used(tmp_path, tiny_target, tiny_data):
+    cfg = cfg_file(tmp_path, tiny_target, tiny_data, max_steps=8, checkpoint_every=4)
+    out = tmp_path / "run"
+    assert run_train(cfg).returncode == 0
+    newest = read_latest(out)
+    assert newest.name == "step-00000008"
+    with open(newest / "model.safetensors", "r+b") as fh:  # flip bytes in the payload
+        fh.seek(-16, os.SEEK_END)
+        fh.write(b"\x00" * 16)
+    res = run_train(write_config(tmp_path / "more.yaml", tiny_target, tiny_data, out,
+                                 train={**FAST, "max_steps": 10, "checkpoint_every": 4}))
+    assert res.returncode == 0, res.stderr[-3000:]
+    warns = [w for w in events_of(out, "warning") if w["kind"] == "corrupt_checkpoint"]
+    assert warns and "step-00000008/model.safetensors: sha256 differs" in warns[0]["message"]
+    assert events_of(out, "run_start")[-1]["resumed_from"] == "step-00000004"
+
+
+def test_two_process_gloo_ddp_keeps_ranks_identical(tmp_path, tiny_target, tiny_data):
+    cfg = cfg_file(tmp_path, tiny_target, tiny_data, max_steps=6, checkpoint_every=3)
+    res = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "trainer.cli", "train", "--config", str(cfg)],
+        env=ENV, capture_output=True, text=True, timeout=400,
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    out = tmp_path / "run"
+    assert events_of(out, "run_start")[0]["layout"]["world_size"] == 2
+    ck = events_of(out, "checkpoint")
+    assert [c["step"] for c in ck] == [3, 6] and all(c["ranks_in_sync"] for c in ck)
+    steps = events_of(out, "step")
+    assert len(steps) == 6, "only rank 0 writes the stream"
+    assert steps[0]["batch_tokens"] > 256, "tokens are summed over both ranks"
