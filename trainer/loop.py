@@ -208,6 +208,7 @@ class Trainer:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
             self.model = DDP(self.drafter, device_ids=[d.device.index] if d.device.type == "cuda" else None)
+        self._bf16 = d.device.type == "cuda" and cfg.train.precision in ("auto", "bfloat16")
         self.step = 0
         self.tokens = 0
         self.resumed_from: str | None = None
@@ -270,21 +271,30 @@ class Trainer:
             raise RuntimeError(f"ranks diverged: weight checksums {sums.tolist()}")
 
     # -------------------------------------------------------------- one step
-    def train_step(self) -> dict[str, Any]:
-        cfg, d = self.cfg, self.d
-        t0 = time.perf_counter()
+    def next_batch(self) -> dict[str, Any]:
+        """The next packed batch of this rank as [1, T] tensors on the device (+ numpy copies)."""
         b = self.sampler.next_batch()
-        to = lambda k: torch.from_numpy(b[k]).unsqueeze(0).to(d.device)  # noqa: E731
-        input_ids, loss_mask, doc_ids, pos_ids = to("input_ids"), to("loss_mask"), to("document_ids"), to("position_ids")
-        cap = self.source.capture(input_ids, pos_ids)
-        if d.device.type == "cuda":
-            torch.cuda.synchronize(d.device)
-        t1 = time.perf_counter()
-        autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=self._bf16)
-        with autocast:
+        dev = self.d.device
+        for k in ("input_ids", "loss_mask", "document_ids", "position_ids"):
+            b[k + "_t"] = torch.from_numpy(b[k]).unsqueeze(0).to(dev)
+        return b
+
+    def capture(self, b: dict[str, Any]):
+        """The frozen target's features for a batch (no grad, lm_head never computed)."""
+        cap = self.source.capture(b["input_ids_t"], b["position_ids_t"])
+        if self.d.device.type == "cuda":
+            torch.cuda.synchronize(self.d.device)
+        return cap
+
+    def drafter_step(self, b: dict[str, Any], cap) -> tuple[torch.Tensor, dict, torch.Tensor, float, bool]:
+        """Drafter forward/backward, clip, optimizer + scheduler step. Returns (loss, metrics,
+        grad_norm, lr used, finite). A non-finite loss/grad on any rank skips the update everywhere."""
+        cfg, d = self.cfg, self.d
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self._bf16):
             _, loss, metrics = self.model(
-                cap.aux, input_ids, loss_mask, cap.last, doc_ids, position_ids=pos_ids,
-                loss_config=self.loss_config, gamma=cfg.train.gamma, max_anchors=cfg.train.max_anchors,
+                cap.aux, b["input_ids_t"], b["loss_mask_t"], cap.last, b["document_ids_t"],
+                position_ids=b["position_ids_t"], loss_config=self.loss_config,
+                gamma=cfg.train.gamma, max_anchors=cfg.train.max_anchors,
             )
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(
@@ -292,15 +302,24 @@ class Trainer:
         )
         finite = torch.tensor([float(torch.isfinite(loss).item() and torch.isfinite(grad_norm).item())], device=d.device)
         all_reduce_(finite, d, dist.ReduceOp.MIN)
-        if finite.item() == 1.0:
+        ok = finite.item() == 1.0
+        if ok:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
         if d.device.type == "cuda":
             torch.cuda.synchronize(d.device)
+        return loss, metrics, grad_norm, lr, ok
+
+    def train_step(self) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        b = self.next_batch()
+        cap = self.capture(b)
+        t1 = time.perf_counter()
+        loss, metrics, grad_norm, lr, finite = self.drafter_step(b, cap)
         t2 = time.perf_counter()
-        return self._step_metrics(b, loss, metrics, grad_norm, lr, bool(finite.item() == 1.0), t0, t1, t2)
+        return self._step_metrics(b, loss, metrics, grad_norm, lr, finite, t0, t1, t2)
 
     def _step_metrics(self, b, loss, metrics, grad_norm, lr, finite, t0, t1, t2) -> dict[str, Any]:
         d, B = self.d, self.cfg.drafter.block_size
@@ -336,7 +355,6 @@ class Trainer:
     # -------------------------------------------------------------- run
     def run(self, stop: StopRequest) -> int:
         cfg, d = self.cfg, self.d
-        self._bf16 = d.device.type == "cuda" and cfg.train.precision in ("auto", "bfloat16")
         total = cfg.train.max_steps
         self.emit(
             "run_start", schema_version=1, config=cfg.to_dict(), resumed_from=self.resumed_from,
