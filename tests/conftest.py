@@ -31,13 +31,14 @@ def tiny_data(tiny_target, tmp_path_factory) -> Path:
     return greedy_dataset(tiny_target, prompts, 56, tmp_path_factory.mktemp("data") / "ds")
 
 
-def write_config(path: Path, target: Path, data: Path, out_dir: Path, **sections) -> Path:
+def write_config(path: Path, target_path: Path, data_path: Path, out_path: Path, **sections) -> Path:
+    """A run.yaml like the issue's example; `sections` update (dicts) or replace (scalars) keys."""
     raw = {
-        "target": {"path": str(target)},
-        "data": {"path": str(data)},
+        "target": {"path": str(target_path)},
+        "data": {"path": str(data_path)},
         "drafter": {"num_layers": 1, "block_size": 4, "aux_layer_ids": [1, 2], "mask_token_id": 511},
         "train": {"max_steps": 30, "lr": 3.0e-4, "seed": 0, "checkpoint_every": 5, "max_tokens_per_batch": 1024},
-        "out_dir": str(out_dir),
+        "out_dir": str(out_path),
     }
     for key, value in sections.items():
         if isinstance(value, dict):

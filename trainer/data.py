@@ -7,6 +7,7 @@ seconds without building Python lists per sample.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,38 +16,73 @@ import numpy as np
 
 REQUIRED_COLUMNS = ("input_ids", "loss_mask")
 HIST_EDGES = (0, 1, 2, 6, 7, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+REGENERATE_FIX = "regenerate the responses with `dflash regenerate`"
 
 
 class DataError(ValueError):
-    pass
+    """A dataset the trainer cannot use. `code` and `fix` let preflight report it as a Problem;
+    str(error) is the message followed by the fix."""
+
+    def __init__(self, message: str, code: str = "data.invalid", fix: str = ""):
+        super().__init__(f"{message}; {fix}" if fix else message)
+        self.code = code
+        self.message = message
+        self.fix = fix
 
 
 def open_dataset(path: Path):
     """Load a datasets.save_to_disk folder; clear errors for the usual mistakes."""
     path = Path(path)
     if not path.exists():
-        raise DataError(f"data.path {path} does not exist (point data.path at a datasets.save_to_disk folder)")
+        raise DataError(
+            f"data.path {path} does not exist",
+            "data.missing",
+            "point data.path at a datasets.save_to_disk folder (e.g. the output of `dflash regenerate`)",
+        )
     if not (path / "dataset_info.json").exists() and not (path / "state.json").exists():
         if (path / "dataset_dict.json").exists():
             raise DataError(
-                f"data.path {path} is a DatasetDict; point data.path at one split, e.g. {path}/train"
+                f"data.path {path} is a DatasetDict",
+                "data.not_a_dataset",
+                f"point data.path at one split, e.g. {path}/train",
             )
         raise DataError(
-            f"data.path {path} is not a datasets.save_to_disk folder (no state.json); "
-            "write it with Dataset.save_to_disk or `dflash regenerate`"
+            f"data.path {path} is not a datasets.save_to_disk folder (no state.json)",
+            "data.not_a_dataset",
+            "write it with Dataset.save_to_disk or `dflash regenerate`",
         )
+    if _no_data_files(path):
+        raise _empty(path)
     import datasets
 
     ds = datasets.load_from_disk(str(path))
     if isinstance(ds, datasets.DatasetDict):
-        raise DataError(f"data.path {path} is a DatasetDict; point data.path at one split")
+        raise DataError(
+            f"data.path {path} is a DatasetDict", "data.not_a_dataset", "point data.path at one split"
+        )
     missing = [c for c in REQUIRED_COLUMNS if c not in ds.column_names]
     if missing:
         raise DataError(
-            f"data.path {path} lacks column(s) {missing} (has {ds.column_names}); "
-            "the trainer needs speculators' prepared format: input_ids and loss_mask per sample"
+            f"data.path {path} lacks column(s) {missing} (has {ds.column_names})",
+            "data.missing_columns",
+            "the trainer needs speculators' prepared format: input_ids and loss_mask per sample "
+            "(rename the columns, or rebuild the data with `dflash regenerate`)",
         )
+    if len(ds) == 0:
+        raise _empty(path)
     return ds
+
+
+def _empty(path: Path) -> DataError:
+    return DataError(f"data.path {path} has no samples", "data.empty", f"{REGENERATE_FIX} or fix data.path")
+
+
+def _no_data_files(path: Path) -> bool:
+    """An empty Dataset saved with save_to_disk has no Arrow file and cannot be loaded back."""
+    try:
+        return json.loads((path / "state.json").read_text()).get("_data_files") == []
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _flat(ds, column: str) -> tuple[np.ndarray, np.ndarray]:
@@ -60,6 +96,11 @@ def _flat(ds, column: str) -> tuple[np.ndarray, np.ndarray]:
     values = np.asarray(col.values.to_numpy(zero_copy_only=False))
     base = offsets[0]
     return values[base : offsets[-1]], offsets - base
+
+
+def flat_values(ds, column: str) -> np.ndarray:
+    """All values of a list column, concatenated over samples (one array, no per-row objects)."""
+    return _flat(ds, column)[0]
 
 
 @dataclass

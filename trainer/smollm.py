@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -24,9 +25,15 @@ def gguf_path() -> Path:
     return path
 
 
-def ensure_smollm2(out_dir: Path, dtype: str = "float32") -> Path:
+def default_dir() -> Path:
+    """Where the converted model is cached: $DFLASH_CACHE or ~/.cache/dflash."""
+    base = os.environ.get("DFLASH_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "dflash")
+    return Path(base) / "smollm2-135m-instruct"
+
+
+def ensure_smollm2(out_dir: Path | None = None, dtype: str = "float32") -> Path:
     """A safetensors copy of SmolLM2-135M-Instruct (with tokenizer) at `out_dir`; reused when present."""
-    out_dir = Path(out_dir)
+    out_dir = Path(out_dir) if out_dir is not None else default_dir()
     marker = out_dir / ".dflash-complete"
     if marker.exists():
         return out_dir

@@ -88,3 +88,70 @@ def tiny_target(out_dir: Path, num_layers: int = 4, hidden: int = 64, vocab: int
         model.lm_head.weight.mul_(8.0)
     model.save_pretrained(str(out_dir))
     return Path(out_dir)
+
+
+# ---------------------------------------------------------------- real prompts, chat template
+STDLIB_MODULES = (
+    "json", "os.path", "itertools", "functools", "collections", "re", "textwrap", "string", "shutil",
+    "pathlib", "statistics", "random", "heapq", "bisect", "datetime", "csv", "base64", "difflib",
+    "fnmatch", "glob", "gzip", "hashlib", "inspect", "ipaddress", "operator", "pprint", "shlex",
+    "tempfile", "urllib.parse", "uuid", "zipfile", "argparse", "calendar", "copy", "fractions",
+)
+
+
+def stdlib_docstrings(limit: int, seed: int = 0) -> list[str]:
+    """First paragraphs of public docstrings of Python's standard library: real text no one here
+    wrote, available offline. Deterministic order for a given seed."""
+    import importlib
+    import inspect
+
+    found: dict[str, str] = {}
+    for mod_name in STDLIB_MODULES:
+        mod = importlib.import_module(mod_name)
+        for name, obj in sorted(vars(mod).items()):
+            if name.startswith("_") or not (inspect.isfunction(obj) or inspect.isclass(obj) or inspect.isbuiltin(obj)):
+                continue
+            doc = inspect.getdoc(obj) or ""
+            para = doc.split("\n\n")[0].replace("\n", " ").strip()
+            if 40 <= len(para) <= 400:
+                found.setdefault(f"{mod_name}.{name}", para)
+    keys = sorted(found)
+    order = np.random.default_rng(seed).permutation(len(keys))
+    return [f"Explain what `{keys[i]}` does in Python and give a short example.\n\n{found[keys[i]]}" for i in order[:limit]]
+
+
+def chat_dataset(target_dir: Path, questions: list[str], new_tokens: int, out_dir: Path, batch_size: int = 16) -> Path:
+    """The target answers each question (chat template, greedy, left-padded batches); the loss mask
+    covers the response up to and including the end-of-turn token; nothing after it is kept."""
+    import datasets
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(target_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
+    eos = tok.eos_token_id
+    stop_ids = {eos} | ({tok.convert_tokens_to_ids("<|im_end|>")} - {None, tok.unk_token_id})
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
+               for q in questions]
+    prompts = [p["input_ids"] if isinstance(p, dict) or hasattr(p, "keys") else p for p in prompts]
+    pad = tok.pad_token_id if tok.pad_token_id is not None else eos
+    rows_ids, rows_mask = [], []
+    with torch.no_grad():
+        for s in range(0, len(prompts), batch_size):
+            chunk = prompts[s : s + batch_size]
+            width = max(len(p) for p in chunk)
+            inp = torch.tensor([[pad] * (width - len(p)) + list(p) for p in chunk])
+            att = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+            gen = model.generate(inp, attention_mask=att, max_new_tokens=new_tokens, do_sample=False,
+                                 pad_token_id=pad, eos_token_id=sorted(stop_ids))
+            for p, row in zip(chunk, gen[:, width:].tolist()):
+                resp = []
+                for t in row:  # explicit stop rule: keep the end-of-turn token, drop what follows
+                    resp.append(t)
+                    if t in stop_ids:
+                        break
+                rows_ids.append(list(p) + resp)
+                rows_mask.append([0] * len(p) + [1] * len(resp))
+    ds = datasets.Dataset.from_dict({"input_ids": rows_ids, "loss_mask": rows_mask})
+    ds.save_to_disk(str(out_dir))
+    return Path(out_dir)

