@@ -100,6 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--tiny", action="store_true", help="a random tiny target instead of SmolLM2-135M")
     p.set_defaults(func=cmd_demo)
+
+    # --- verbs of issue #3 (eval, export, regenerate): add below this line
+    # --- verbs of issue #4 (monitor, status): add below this line
+    # --- verbs of issue #5 (plan, manifest): add below this line
+    # --- verbs of issue #6 (salvage): add below this line
     return parser
 
 
