@@ -52,9 +52,14 @@ def cmd_summary(args) -> int:
 def cmd_config(args) -> int:
     from trainer.config import schema_reference
 
+    if args.markdown:
+        from trainer.config import schema_markdown
+
+        print(schema_markdown(), end="")
+        return 0
     if args.schema:
         for key, typ, default, desc in schema_reference():
-            print(f"{key:34} {typ:28} {default:16} {desc}")
+            print(f"{key:34} {typ:36} {default:14} {desc}")
         return 0
     cfg = _load(args)
     import yaml
@@ -93,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", type=Path)
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--schema", action="store_true", help="list every key, type, default")
+    p.add_argument("--markdown", action="store_true", help="the reference table as markdown (docs)")
     p.set_defaults(func=cmd_config)
 
     p = sub.add_parser("demo", help="the embedded default: a short run on a small real model on this CPU")
@@ -112,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     from trainer.config import ConfigError
 
     args = build_parser().parse_args(argv)
-    if args.verb == "config" and not args.schema and args.config is None:
+    if args.verb == "config" and not (args.schema or args.markdown) and args.config is None:
         print("dflash config: pass --config FILE or --schema", file=sys.stderr)
         return 2
     try:

@@ -9,6 +9,7 @@ Paths given relative are resolved against the config file's folder, so a run fol
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 from typing import Any, Literal
 
@@ -76,12 +77,12 @@ class TrainConfig(_Section):
     lr: float = Field(6.0e-4, gt=0, description="peak learning rate (SpecForge Qwen3.6-27B: 6e-4)")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="cosine floor as a fraction of lr")
     warmup_steps: int | None = Field(None, ge=0, description="default: warmup_ratio * max_steps")
-    warmup_ratio: float = Field(0.04, ge=0, le=1)
-    schedule: Literal["cosine", "constant"] = "cosine"
-    weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.95)
+    warmup_ratio: float = Field(0.04, ge=0, le=1, description="warmup share of max_steps when warmup_steps is unset")
+    schedule: Literal["cosine", "constant"] = Field("cosine", description="lr after warmup: cosine decay to min_lr_ratio, or constant")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas")
     grad_clip: float = Field(1.0, gt=0, description="max global grad norm")
-    seed: int = 0
+    seed: int = Field(0, description="seeds init, sampling order and anchors; same seed = same run")
     checkpoint_every: int = Field(500, ge=1, description="steps between checkpoints (and one at the end)")
     keep_checkpoints: int = Field(3, ge=1, description="newest K complete checkpoints kept")
     max_tokens_per_batch: int = Field(
@@ -93,8 +94,8 @@ class TrainConfig(_Section):
     precision: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="auto: bf16 autocast on CUDA, float32 on CPU"
     )
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    log_every: int = Field(1, ge=1)
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA when visible, else CPU")
+    log_every: int = Field(1, ge=1, description="steps between step events")
     stop_timeout_s: float = Field(
         600.0, gt=0, description="bound on SIGTERM -> final checkpoint -> exit; past it the run exits 3"
     )
@@ -124,17 +125,17 @@ class PreflightConfig(_Section):
         0.25, ge=0, le=1, description="warn when the deepest aux layer is this far (share of depth) below the top"
     )
     disk_reserve_gb: float = Field(2.0, ge=0, description="free disk kept beyond K checkpoints")
-    check_memory: bool = True
+    check_memory: bool = Field(True, description="compare the memory estimate with the device (false: skip, stated)")
 
 
 class RunConfig(_Section):
-    schema_version: int = SCHEMA_VERSION
+    schema_version: int = Field(SCHEMA_VERSION, description="version of this file format")
     target: TargetConfig
     data: DataConfig
     drafter: DrafterConfig
     train: TrainConfig = Field(default_factory=TrainConfig)
     preflight: PreflightConfig = Field(default_factory=PreflightConfig)
-    out_dir: Path
+    out_dir: Path = Field(description="run folder: events.jsonl, train.log, run.yaml, checkpoints/")
 
     @field_validator("schema_version")
     @classmethod
@@ -230,6 +231,23 @@ def dump_config(cfg: RunConfig, path: Path) -> None:
     atomic_write_text(path, yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
 
+def _type_name(ann: Any) -> str:
+    import typing
+
+    origin = typing.get_origin(ann)
+    args = typing.get_args(ann)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in args)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        return " | ".join(_type_name(a) for a in args)
+    if origin in (list, tuple):
+        inner = ", ".join(_type_name(a) for a in args if a is not Ellipsis)
+        return f"{origin.__name__}[{inner}]"
+    if ann is type(None):
+        return "null"
+    return {Path: "path"}.get(ann, getattr(ann, "__name__", str(ann)))
+
+
 def schema_reference() -> list[tuple[str, str, str, str]]:
     """(key, type, default, description) rows for docs and `dflash config --schema`."""
     rows: list[tuple[str, str, str, str]] = []
@@ -241,9 +259,20 @@ def schema_reference() -> list[tuple[str, str, str, str]]:
             if isinstance(ann, type) and issubclass(ann, BaseModel):
                 walk(ann, key + ".")
                 continue
-            default = "required" if field.is_required() else repr(field.get_default(call_default_factory=True))
-            tname = getattr(ann, "__name__", None) or str(ann).replace("typing.", "")
-            rows.append((key, tname, default, field.description or ""))
+            if field.is_required():
+                default = "required"
+            else:
+                value = field.get_default(call_default_factory=True)
+                default = "null" if value is None else json.dumps(list(value) if isinstance(value, tuple) else value)
+            rows.append((key, _type_name(ann), default, field.description or ""))
 
     walk(RunConfig, "")
     return rows
+
+
+def schema_markdown() -> str:
+    """The run-config reference table (docs/reference/config.md embeds it; a test keeps it current)."""
+    lines = ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
+    for key, typ, default, desc in schema_reference():
+        lines.append(f"| `{key}` | {typ.replace('|', '&#124;')} | `{default}` | {desc.replace('|', '&#124;')} |")
+    return "\n".join(lines) + "\n"

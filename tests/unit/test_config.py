@@ -93,3 +93,11 @@ def test_schema_reference_lists_every_leaf_key():
     for k in ("target.path", "data.path", "drafter.aux_layer_ids", "drafter.layer_id_convention",
               "train.max_tokens_per_batch", "train.keep_checkpoints", "preflight.min_supervised_tokens", "out_dir"):
         assert k in keys
+
+
+def test_docs_reference_lists_the_current_schema():
+    from tests.conftest import REPO
+    from trainer.config import schema_markdown
+
+    page = (REPO / "docs" / "reference" / "config.md").read_text()
+    assert schema_markdown() in page, "docs/reference/config.md is stale: regenerate with `dflash config --markdown`"
