@@ -73,25 +73,23 @@ def part_a(target: Path, tokens: int, reps: int, work: Path) -> dict:
     caps = [tr.capture(b) for b in batches]
     tr.drafter_step(batches[0], caps[0])  # warm-up (allocator, first-call paths)
     tr.capture(batches[0])
-    it = iter(range(10**9))
-
-    def online():
-        i = next(it) % len(batches)
-        tr.drafter_step(batches[i], tr.capture(batches[i]))
-
-    def target_only():
-        tr.capture(batches[next(it) % len(batches)])
-
-    def drafter_only():
-        i = next(it) % len(batches)
+    n = len(batches)
+    samples: dict[str, list[float]] = {"online": [], "target": [], "drafter": []}
+    # Interleave per iteration (online step, target alone, drafter alone; equal-size batches) so that load
+    # from other processes and thermal drift hit all three alike; report medians.
+    for r in range(reps * 3):
+        i = r % n
+        t0 = time.perf_counter()
+        tr.train_step()  # the loop's real step: next packed batch, capture, drafter step, metrics
+        t1 = time.perf_counter()
+        tr.capture(batches[i])
+        t2 = time.perf_counter()
         tr.drafter_step(batches[i], caps[i])
-
-    rounds = {"online": [], "target": [], "drafter": []}
-    for _ in range(3):  # interleave so drift hits all three alike
-        rounds["online"].append(median_time(online, reps))
-        rounds["target"].append(median_time(target_only, reps))
-        rounds["drafter"].append(median_time(drafter_only, reps))
-    med = {k: statistics.median(v) for k, v in rounds.items()}
+        t3 = time.perf_counter()
+        samples["online"].append(t1 - t0)
+        samples["target"].append(t2 - t1)
+        samples["drafter"].append(t3 - t2)
+    med = {k: statistics.median(v) for k, v in samples.items()}
     return {
         "online_step_s": med["online"], "target_capture_s": med["target"], "drafter_step_s": med["drafter"],
         "ratio": med["online"] / (med["target"] + med["drafter"]),
