@@ -1,0 +1,78 @@
+"""`dflash plan` (trainer/plan.py): the seeds' layout cases and the offline storage arithmetic."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trainer.gpus import build_facts
+
+FIX = Path(__file__).resolve().parents[1] / "fixtures"
+QWEN = FIX / "targets" / "qwen3.6-27b" / "config.json"
+
+
+def plan(*args):
+    r = subprocess.run([sys.executable, "-m", "trainer.cli", "plan", "--target-config", QWEN, *map(str, args), "--json"],
+                       capture_output=True, text=True, check=False)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def test_qwen_27b_on_8_a100_40gb_needs_two_gpus_per_copy():
+    p = plan("--gpu", "A100-40GB", "--gpu-count", 8)
+    assert (p["gpus_per_copy"], p["data_parallel"]) == (2, 4)
+    assert p["fits"] and p["per_gpu_memory_gb"] < 40
+    assert p["tried"][0]["gpus_per_copy"] == 1 and p["tried"][0]["per_gpu_gib"] > 40  # one copy per GPU: no
+    assert "fewer than 2 GPUs per copy" in p["reason"]
+    assert p["target"]["params_source"].startswith("model.safetensors.index.json")
+
+
+@pytest.mark.parametrize("gpu, count", [("RTX-PRO-6000-96GB", 4), ("B200", 8), ("B200", 7), ("H200", 1)])
+def test_qwen_27b_fits_one_gpu_per_copy_on_big_gpus(gpu, count):
+    p = plan("--gpu", gpu, "--gpu-count", count)
+    assert (p["gpus_per_copy"], p["data_parallel"]) == (1, count)
+
+
+def test_offline_storage_is_92_tb():
+    p = plan("--gpu", "B200", "--gpu-count", 8, "--samples", 902_000, "--mean-tokens", 2000)
+    assert p["offline_storage_bytes"] == 5 * 5120 * 2 * 2000 * 902_000
+    assert round(p["offline_storage_bytes"] / 1e12) == 92
+    hw = {h["gpu"]: h for h in p["offline_vs_online"]["per_hardware"]}
+    # same model, same count: the B200 (2250 TFLOPS) is faster than the A100 (312) by the FLOPS ratio
+    assert hw["B200"]["wall_hours"] < hw["A100-40GB"]["wall_hours"]
+    assert hw["A100-40GB"]["tokens_per_s"] / hw["B200"]["tokens_per_s"] == pytest.approx(312 / 2250, rel=1e-3)
+
+
+def test_from_recon_facts_and_inventory_override(tmp_path):
+    smi = FIX / "nvidia-smi"
+    facts = {"host": {"name": "a100-example"},
+             "gpus": build_facts((smi / "a100-8x40gb.query.csv").read_text(), (smi / "a100-8x40gb.nvidia-smi.txt").read_text())}
+    (tmp_path / "recon.json").write_text(json.dumps(facts))
+    p = plan("--facts", tmp_path / "recon.json")
+    assert (p["gpu"], p["gpu_count"], p["gpus_per_copy"]) == ("A100-40GB", 8, 2)
+    p = plan("--facts", tmp_path / "recon.json", "--gpus-per-copy", 4)
+    assert (p["gpus_per_copy"], p["data_parallel"]) == (4, 2) and "set by hand" in p["reason"]
+
+
+def test_bad_input_is_named():
+    r = subprocess.run([sys.executable, "-m", "trainer.cli", "plan", "--target-config", QWEN, "--gpu", "V100", "--gpu-count", "8"],
+                       capture_output=True, text=True, check=False)
+    assert r.returncode == 2 and "unknown GPU 'V100'" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "trainer.cli", "plan", "--target-config", "/nonexistent/config.json",
+                        "--gpu", "B200", "--gpu-count", "8"], capture_output=True, text=True, check=False)
+    assert r.returncode == 2 and "does not exist" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "trainer.cli", "plan", "--target-config", QWEN, "--gpu", "B200",
+                        "--gpu-count", "8", "--gpus-per-copy", "3"], capture_output=True, text=True, check=False)
+    assert r.returncode == 2 and "does not divide" in r.stderr
+
+
+def test_too_big_for_the_node_exits_1(tmp_path):
+    cfg = json.loads(QWEN.read_text())
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": 1_500_000_000_000}}))
+    r = subprocess.run([sys.executable, "-m", "trainer.cli", "plan", "--target-config", tmp_path / "config.json",
+                        "--gpu", "A100-40GB", "--gpu-count", "8", "--json"], capture_output=True, text=True, check=False)
+    assert r.returncode == 1
+    assert json.loads(r.stdout)["gpus_per_copy"] is None

@@ -1,0 +1,136 @@
+"""CLI verbs of issue #5 for the roles: `dflash plan`, `dflash manifest`, `dflash gpu`.
+
+Argument definitions only; each verb imports its (light) module when it runs. Errors in the input
+end with exit 2 and one line naming what to fix."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def _fail(verb: str, exc: Exception) -> int:
+    print(f"dflash {verb}: {exc}", file=sys.stderr)
+    return 2
+
+
+def _plan(args) -> int:
+    from trainer.plan import PlanError, cmd_plan
+
+    try:
+        return cmd_plan(args)
+    except PlanError as exc:
+        return _fail("plan", exc)
+
+
+def _manifest(args) -> int:
+    from trainer.manifest import ManifestError
+
+    try:
+        return args.impl(args)
+    except ManifestError as exc:
+        return _fail(f"manifest {args.manifest_cmd}", exc)
+
+
+def _manifest_create(args) -> int:
+    from trainer.manifest import cmd_create
+
+    return cmd_create(args)
+
+
+def _manifest_verify(args) -> int:
+    from trainer.manifest import cmd_verify
+
+    return cmd_verify(args)
+
+
+def _read(path: str | None) -> str | None:
+    if path is None:
+        return None
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"{p} does not exist")
+    return p.read_text(errors="replace")
+
+
+def _gpu_facts(args) -> int:
+    from trainer.gpus import GpuFactsError, build_facts, check_expected
+
+    try:
+        facts = build_facts(_read(args.query), _read(args.smi))
+        expected = json.loads(args.expected) if args.expected else {}
+    except (GpuFactsError, FileNotFoundError, json.JSONDecodeError) as exc:
+        return _fail("gpu facts", exc)
+    facts["expected_mismatch"] = check_expected(facts, expected)
+    print(json.dumps(facts, indent=1))
+    return 0
+
+
+def _gpu_decide(args) -> int:
+    from trainer.gpus import GpuFactsError, decide
+
+    try:
+        facts = json.loads(_read(args.facts) or "{}")
+        gpus = facts.get("gpus", facts)
+        out = decide(gpus, args.driver_branch, args.cuda_version,
+                     secure_boot={"yes": True, "no": False}.get(args.secure_boot),
+                     toolkit_installed=args.toolkit_installed or None)
+    except (GpuFactsError, FileNotFoundError, json.JSONDecodeError) as exc:
+        return _fail("gpu decide", exc)
+    print(json.dumps(out, indent=1))
+    return 0
+
+
+def add_verbs(sub) -> None:
+    p = sub.add_parser("plan", help="GPUs per target copy, data-parallel width, memory and offline/online arithmetic")
+    p.add_argument("--target-config", required=True, metavar="FILE", help="the target's config.json (or its folder)")
+    p.add_argument("--gpu", help="GPU kind: A100-40GB, A100-80GB, H100-80GB, H200, B200, RTX-PRO-6000-96GB")
+    p.add_argument("--gpu-count", type=int, help="GPUs on the node")
+    p.add_argument("--gpu-memory-gib", type=float, help="per-GPU memory for a GPU not in the catalog")
+    p.add_argument("--facts", metavar="RECON_JSON", help="a host's reports/<host>/recon.json instead of --gpu")
+    p.add_argument("--gpus-per-copy", type=int, help="force the layout (the inventory override)")
+    p.add_argument("--dtype", default="bfloat16", help="target weight dtype (default bfloat16)")
+    p.add_argument("--draft-layers", type=int, default=1, help="drafter decoder layers (default 1)")
+    p.add_argument("--aux-layers", type=int, default=5, help="target layers fed to the drafter (default 5)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--anchors", type=int, default=512)
+    p.add_argument("--tokens-per-batch", type=int, default=8192)
+    p.add_argument("--samples", type=int, default=902_000, help="training samples (default: the seeds' 902K)")
+    p.add_argument("--mean-tokens", type=float, default=2000, help="mean tokens per sample (default 2000)")
+    p.add_argument("--epochs", type=float, default=1.0)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_plan)
+
+    p = sub.add_parser("manifest", help="sha256 manifest of a folder: create one, or verify a copy against one")
+    msub = p.add_subparsers(dest="manifest_cmd", required=True, metavar="ACTION")
+    c = msub.add_parser("create", help="hash every file under DIR into MANIFEST (written atomically)")
+    c.add_argument("dir", metavar="DIR")
+    c.add_argument("-o", "--output", required=True, metavar="MANIFEST")
+    c.add_argument("--reuse", action="store_true",
+                   help="keep the digests of files whose size and mtime match the existing MANIFEST")
+    c.add_argument("--source", help="label stored in the manifest (default: DIR's absolute path)")
+    v = msub.add_parser("verify", help="exit 1 naming every missing or differing file under DIR")
+    v.add_argument("dir", metavar="DIR")
+    v.add_argument("manifest", metavar="MANIFEST")
+    v.add_argument("--strict", action="store_true", help="files not in the manifest are errors too")
+    for q, impl in ((c, _manifest_create), (v, _manifest_verify)):
+        q.add_argument("--exclude", action="append", default=[], metavar="GLOB", help="skip paths matching GLOB")
+        q.add_argument("--workers", type=int, default=None, help="hashing threads (default: min(4, CPUs))")
+        q.add_argument("--json", action="store_true", help="one JSON object on stdout")
+        q.set_defaults(func=_manifest, impl=impl)
+
+    p = sub.add_parser("gpu", help="GPU facts from nvidia-smi output, and the driver/CUDA decision")
+    gsub = p.add_subparsers(dest="gpu_cmd", required=True, metavar="ACTION")
+    f = gsub.add_parser("facts", help="normalize nvidia-smi output into JSON facts")
+    f.add_argument("--query", help="file with `nvidia-smi --query-gpu=...` output (absent: no GPU)")
+    f.add_argument("--smi", help="file with plain `nvidia-smi` output (for the driver's CUDA version)")
+    f.add_argument("--expected", help="JSON of the group's expected_gpu_* vars to compare with")
+    f.set_defaults(func=_gpu_facts)
+    d = gsub.add_parser("decide", help="what the nvidia_driver and cuda_toolkit roles should do")
+    d.add_argument("--facts", required=True, help="JSON from `dflash gpu facts` (or a recon.json)")
+    d.add_argument("--driver-branch", type=int, required=True, help="pinned driver branch, e.g. 580")
+    d.add_argument("--cuda-version", required=True, help="pinned CUDA toolkit version, e.g. 13.0")
+    d.add_argument("--secure-boot", choices=["yes", "no", "unknown"], default="unknown")
+    d.add_argument("--toolkit-installed", help="version of an installed CUDA toolkit (nvcc), if any")
+    d.set_defaults(func=_gpu_decide)

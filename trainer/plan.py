@@ -1,0 +1,338 @@
+"""`dflash plan`: how one node's GPUs hold the target (GPUs per copy, data-parallel width), a per-GPU
+memory estimate with its reason, and the offline-vs-online arithmetic. Light side: stdlib only.
+
+Inputs: the target's config.json (its parameter count comes from `model.safetensors.index.json`'s
+`metadata.total_size` when that file sits beside it, else from safetensors headers, else from the
+config's shapes), and the GPUs: a catalog name (`--gpu A100-40GB --gpu-count 8`) or a host's recon
+facts (`--facts reports/<host>/recon.json`, written by the gpu_facts role).
+
+Layout rule: the smallest number of GPUs per copy n (a divisor of the GPU count) for which the
+per-GPU estimate fits in `usable_share` of a GPU's memory; data-parallel width = count // n. The
+estimate per GPU is
+
+  target weights / n                       (layer-wise split or TP: each GPU holds 1/n of the layers)
++ drafter trainable state / data_parallel  (bf16 weights + fp32 master, grads and Adam moments,
+                                            sharded over the data-parallel ranks: ZeRO-1/FSDP)
++ drafter frozen copies                    (embed_tokens + lm_head of the target, target dtype)
++ activations                              (captured aux hidden states + drafter layers on
+                                            anchors x block query tokens + a loss chunk's logits)
++ runtime reserve                          (CUDA context, allocator slack)
+
+Every assumption is a named constant below and is echoed in the JSON under `assumptions`.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+GIB = float(2**30)
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8": 1}
+
+# name -> (nvidia-smi name, memory GiB, dense bf16 TFLOPS, interconnect)
+GPU_CATALOG: dict[str, dict[str, Any]] = {
+    "A100-40GB": {"smi_name": "NVIDIA A100-SXM4-40GB", "memory_gib": 40.0, "bf16_tflops": 312, "link": "NVLink 600 GB/s"},
+    "A100-80GB": {"smi_name": "NVIDIA A100-SXM4-80GB", "memory_gib": 80.0, "bf16_tflops": 312, "link": "NVLink 600 GB/s"},
+    "H100-80GB": {"smi_name": "NVIDIA H100 80GB HBM3", "memory_gib": 79.6, "bf16_tflops": 989, "link": "NVLink 900 GB/s"},
+    "H200": {"smi_name": "NVIDIA H200", "memory_gib": 140.4, "bf16_tflops": 989, "link": "NVLink 900 GB/s"},
+    "B200": {"smi_name": "NVIDIA B200", "memory_gib": 179.1, "bf16_tflops": 2250, "link": "NVLink 1800 GB/s"},
+    "RTX-PRO-6000-96GB": {
+        "smi_name": "NVIDIA RTX PRO 6000 Blackwell Server Edition", "memory_gib": 95.6, "bf16_tflops": 500,
+        "link": "PCIe 5.0 x16 (~64 GB/s)",
+    },
+}
+GPU_ALIASES = {"PRO6000": "RTX-PRO-6000-96GB", "RTX-PRO-6000": "RTX-PRO-6000-96GB", "PRO6000-96GB": "RTX-PRO-6000-96GB",
+               "H200-141GB": "H200", "B200-183GB": "B200", "A100": "A100-40GB", "H100": "H100-80GB"}
+
+ASSUMPTIONS = {
+    "usable_share": 0.92,  # of a GPU's memory the estimate may fill (fragmentation, NCCL buffers)
+    "runtime_reserve_gib": 1.0,  # CUDA context + cuBLAS/NCCL workspaces per GPU
+    "drafter_state_bytes_per_param": 18,  # bf16 weight + fp32 master + fp32 grad + 2 fp32 Adam moments
+    "drafter_state_sharded": True,  # over the data-parallel ranks (ZeRO-1/FSDP)
+    "activation_copies": 4,  # saved tensors of width hidden per query token and drafter layer
+    "loss_chunk_positions": 512,  # logits are computed for this many positions at a time (fp32, x3)
+    "mfu": 0.35,  # model FLOPs utilisation of the target forward (bf16)
+    "drafter_compute_share": 0.25,  # drafter forward+backward time relative to the target forward
+}
+
+
+class PlanError(ValueError):
+    """Bad plan input (unknown GPU, unreadable config); the message says what to pass."""
+
+
+@dataclass(frozen=True)
+class TargetShape:
+    hidden: int
+    layers: int
+    vocab: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    tied: bool
+    params: int
+    params_source: str
+    dtype: str
+
+
+def _text_config(raw: dict[str, Any]) -> dict[str, Any]:
+    text = raw.get("text_config") if "num_hidden_layers" not in raw else None
+    return {**raw, **text} if isinstance(text, dict) else raw
+
+
+def _layer_params(h: int, heads: int, kv: int, hd: int, inter: int) -> int:
+    q, k = heads * hd, kv * hd
+    return h * q + 2 * h * k + q * h + 3 * h * inter + 2 * h
+
+
+def _stored_params(folder: Path) -> tuple[int, str] | None:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            meta = json.loads(index.read_text()).get("metadata", {})
+            total = int(meta["total_size"])
+            return total, f"{index.name} metadata.total_size ({total} bytes)"
+        except (ValueError, KeyError, TypeError, json.JSONDecodeError):
+            pass
+    total = 0
+    files = sorted(folder.glob("*.safetensors"))
+    for f in files:
+        try:
+            with open(f, "rb") as fh:
+                n = struct.unpack("<Q", fh.read(8))[0]
+                header = json.loads(fh.read(n))
+        except (OSError, struct.error, json.JSONDecodeError, UnicodeDecodeError):
+            return None
+        for name, entry in header.items():
+            if name != "__metadata__":
+                a, b = entry["data_offsets"]
+                total += b - a
+    if files and total:
+        return total, f"safetensors headers of {len(files)} file(s) ({total} bytes)"
+    return None
+
+
+def read_target(config_path: Path, dtype: str = "bfloat16") -> TargetShape:
+    config_path = Path(config_path)
+    if config_path.is_dir():
+        config_path = config_path / "config.json"
+    if not config_path.is_file():
+        raise PlanError(f"target config {config_path} does not exist (pass the target's config.json)")
+    try:
+        conf = _text_config(json.loads(config_path.read_text()))
+        h, layers = int(conf["hidden_size"]), int(conf["num_hidden_layers"])
+        heads = int(conf["num_attention_heads"])
+        kv = int(conf.get("num_key_value_heads") or heads)
+        hd = int(conf.get("head_dim") or h // heads)
+        inter = int(conf.get("intermediate_size") or 4 * h)
+        vocab = int(conf["vocab_size"])
+        tied = bool(conf.get("tie_word_embeddings", False))
+    except json.JSONDecodeError as exc:
+        raise PlanError(f"{config_path}: not valid JSON ({exc})") from None
+    except KeyError as exc:
+        raise PlanError(f"{config_path} lacks {exc.args[0]!r}") from None
+    except (TypeError, ValueError) as exc:
+        raise PlanError(f"{config_path}: unusable value ({exc})") from None
+    if dtype not in DTYPE_BYTES:
+        raise PlanError(f"dtype {dtype!r}: use one of {', '.join(DTYPE_BYTES)}")
+    stored = _stored_params(config_path.parent)
+    if stored is not None:
+        nbytes, source = stored
+        params = nbytes // DTYPE_BYTES.get(str(conf.get("torch_dtype") or conf.get("dtype") or "bfloat16"), 2)
+    else:
+        params = vocab * h * (1 if tied else 2) + layers * _layer_params(h, heads, kv, hd, inter) + h
+        source = "estimated from config.json shapes (dense attention + gated MLP per layer)"
+    return TargetShape(h, layers, vocab, inter, heads, kv, hd, tied, int(params), source, dtype)
+
+
+def resolve_gpu(name: str) -> tuple[str, dict[str, Any]]:
+    key = name.strip()
+    key = GPU_ALIASES.get(key.upper(), key)
+    for cat_name, spec in GPU_CATALOG.items():
+        if key.upper() == cat_name.upper() or key == spec["smi_name"]:
+            return cat_name, spec
+    known = ", ".join(GPU_CATALOG)
+    raise PlanError(f"unknown GPU {name!r}: use one of {known} (or --gpu-memory-gib with any name)")
+
+
+def gpus_from_facts(path: Path) -> tuple[str, dict[str, Any], int]:
+    """(catalog name or the smi name, spec, count) from a recon.json written by the gpu_facts role."""
+    try:
+        facts = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise PlanError(f"recon facts {path}: {exc}") from None
+    gpus = facts.get("gpus", facts)
+    count = int(gpus.get("count") or 0)
+    if count == 0:
+        raise PlanError(f"{path}: this host has no GPU; the plan is for GPU nodes (the CPU path needs none)")
+    if gpus.get("mixed"):
+        raise PlanError(f"{path}: mixed GPU models {gpus['models']}: plan each model separately")
+    try:
+        name, spec = resolve_gpu(gpus["model"])
+        spec = {**spec, "memory_gib": float(gpus["memory_gib_min"])}
+    except PlanError:
+        name, spec = gpus["model"], {"smi_name": gpus["model"], "memory_gib": float(gpus["memory_gib_min"]),
+                                     "bf16_tflops": None, "link": "unknown"}
+    return name, spec, count
+
+
+def drafter_params(t: TargetShape, layers: int, n_aux: int) -> int:
+    return layers * _layer_params(t.hidden, t.heads, t.kv_heads, t.head_dim, t.intermediate) + n_aux * t.hidden**2 + 2 * t.hidden
+
+
+def per_gpu_bytes(t: TargetShape, n: int, dp: int, draft_layers: int, n_aux: int, block: int, anchors: int,
+                  tokens: int) -> dict[str, float]:
+    a = ASSUMPTIONS
+    wb = DTYPE_BYTES[t.dtype]
+    trainable = drafter_params(t, draft_layers, n_aux) * a["drafter_state_bytes_per_param"]
+    if a["drafter_state_sharded"]:
+        trainable /= dp
+    q_tokens = anchors * block
+    return {
+        "target_weights": t.params * wb / n,
+        "drafter_trainable_state": trainable,
+        "drafter_frozen": t.vocab * t.hidden * wb * 2,
+        "activations": (n_aux * tokens * t.hidden * wb
+                        + draft_layers * a["activation_copies"] * q_tokens * t.hidden * wb
+                        + a["loss_chunk_positions"] * t.vocab * 4 * 3),
+        "runtime_reserve": a["runtime_reserve_gib"] * GIB,
+    }
+
+
+def choose_layout(t: TargetShape, memory_gib: float, count: int, draft_layers: int, n_aux: int, block: int,
+                  anchors: int, tokens: int, override: int | None = None) -> dict[str, Any]:
+    budget = memory_gib * GIB * ASSUMPTIONS["usable_share"]
+    tried = []
+    candidates = [override] if override else [n for n in range(1, count + 1) if count % n == 0]
+    if override and count % override:
+        raise PlanError(f"gpus_per_copy {override} does not divide the GPU count {count}")
+    for n in candidates:
+        dp = count // n
+        parts = per_gpu_bytes(t, n, dp, draft_layers, n_aux, block, anchors, tokens)
+        need = sum(parts.values())
+        tried.append({"gpus_per_copy": n, "per_gpu_gib": round(need / GIB, 1)})
+        if need <= budget or override:
+            fits = need <= budget
+            reason = (
+                f"target {t.params / 1e9:.1f}B params x {DTYPE_BYTES[t.dtype]} B = {t.params * DTYPE_BYTES[t.dtype] / GIB:.1f} GiB; "
+                + ("" if n == 1 else f"fewer than {n} GPUs per copy need more than the budget; ")
+                + f"with {n} per copy each GPU needs ~{need / GIB:.1f} GiB of {memory_gib:.1f} GiB "
+                f"(budget {ASSUMPTIONS['usable_share']:.0%} = {budget / GIB:.1f} GiB)"
+                + ("" if not override else f"; gpus_per_copy={override} set by hand")
+                + ("" if fits else "; DOES NOT FIT: expect out-of-memory")
+            )
+            return {"gpus_per_copy": n, "data_parallel": dp, "fits": fits, "per_gpu_bytes": parts,
+                    "per_gpu_memory_gb": round(need / 1e9, 1), "per_gpu_memory_gib": round(need / GIB, 1),
+                    "reason": reason, "tried": tried}
+    return {"gpus_per_copy": None, "data_parallel": 0, "fits": False, "per_gpu_bytes": parts,
+            "per_gpu_memory_gb": round(need / 1e9, 1), "per_gpu_memory_gib": round(need / GIB, 1),
+            "reason": f"even {count} GPUs per copy need ~{need / GIB:.1f} GiB per GPU, over the "
+                      f"{budget / GIB:.1f} GiB budget: use GPUs with more memory or a smaller dtype",
+            "tried": tried}
+
+
+def offline_arithmetic(t: TargetShape, n_aux: int, samples: int, mean_tokens: float, epochs: float,
+                       count: int, gpus_per_copy: int | None) -> dict[str, Any]:
+    a = ASSUMPTIONS
+    wb = DTYPE_BYTES[t.dtype]
+    per_token = n_aux * t.hidden * wb
+    total_tokens = samples * mean_tokens
+    out: dict[str, Any] = {
+        "bytes_per_token": per_token,
+        "offline_storage_bytes": int(per_token * total_tokens),
+        "offline_storage_tb": round(per_token * total_tokens / 1e12, 1),
+        "formula": f"{n_aux} aux layers x {t.hidden} hidden x {wb} B x {mean_tokens:g} tokens x {samples} samples",
+        "per_hardware": [],
+    }
+    flops_per_token = 2 * t.params * (1 + a["drafter_compute_share"])
+    for name, spec in GPU_CATALOG.items():
+        tok_s_gpu = spec["bf16_tflops"] * 1e12 * a["mfu"] / flops_per_token
+        tok_s = tok_s_gpu * count
+        out["per_hardware"].append({
+            "gpu": name, "gpus": count,
+            "tokens_per_s": round(tok_s),
+            "stream_bandwidth_gb_s": round(tok_s * per_token / 1e9, 2),
+            "link": spec["link"],
+            "wall_hours": round(total_tokens * epochs / tok_s / 3600, 1),
+        })
+    out["online_note"] = (
+        "online training recomputes the target forward each epoch instead of storing hidden states; an "
+        "online split (target GPUs streaming to drafter GPUs) moves stream_bandwidth_gb_s over the link"
+    )
+    return out
+
+
+def make_plan(args) -> dict[str, Any]:
+    target = read_target(Path(args.target_config), args.dtype)
+    if args.facts:
+        gpu_name, spec, count = gpus_from_facts(Path(args.facts))
+        if args.gpu_count:
+            count = args.gpu_count
+    else:
+        if not args.gpu or not args.gpu_count:
+            raise PlanError("pass --gpu NAME --gpu-count N, or --facts reports/<host>/recon.json")
+        if args.gpu_memory_gib:
+            gpu_name, spec = args.gpu, {"smi_name": args.gpu, "memory_gib": args.gpu_memory_gib,
+                                        "bf16_tflops": None, "link": "unknown"}
+        else:
+            gpu_name, spec = resolve_gpu(args.gpu)
+        count = args.gpu_count
+    if count < 1:
+        raise PlanError(f"--gpu-count must be >= 1, got {count}")
+    n_aux = args.aux_layers
+    layout = choose_layout(target, spec["memory_gib"], count, args.draft_layers, n_aux, args.block_size,
+                           args.anchors, args.tokens_per_batch, args.gpus_per_copy)
+    plan = {
+        "gpu": gpu_name,
+        "gpu_count": count,
+        "gpu_memory_gib": spec["memory_gib"],
+        "target": {"params": target.params, "params_source": target.params_source, "hidden": target.hidden,
+                   "layers": target.layers, "vocab": target.vocab, "dtype": target.dtype},
+        "gpus_per_copy": layout["gpus_per_copy"],
+        "data_parallel": layout["data_parallel"],
+        "fits": layout["fits"],
+        "per_gpu_memory_gb": layout["per_gpu_memory_gb"],
+        "per_gpu_memory_gib": layout["per_gpu_memory_gib"],
+        "per_gpu_breakdown_gib": {k: round(v / GIB, 2) for k, v in layout["per_gpu_bytes"].items()},
+        "reason": layout["reason"],
+        "tried": layout["tried"],
+        "drafter": {"layers": args.draft_layers, "aux_layers": n_aux, "block_size": args.block_size,
+                    "anchors": args.anchors, "tokens_per_batch": args.tokens_per_batch},
+        "assumptions": ASSUMPTIONS,
+    }
+    arith = offline_arithmetic(target, n_aux, args.samples, args.mean_tokens, args.epochs, count,
+                               layout["gpus_per_copy"])
+    plan["offline_storage_bytes"] = arith["offline_storage_bytes"]
+    plan["offline_vs_online"] = arith
+    return plan
+
+
+def render_text(p: dict[str, Any]) -> str:
+    t = p["target"]
+    lines = [
+        (f"target   {t['params'] / 1e9:.2f}B params ({t['params_source']}), hidden {t['hidden']}, "
+        f"{t['layers']} layers, {t['dtype']}"),
+        f"gpus     {p['gpu_count']} x {p['gpu']} ({p['gpu_memory_gib']} GiB each)",
+        f"layout   {p['gpus_per_copy']} GPU(s) per target copy, data-parallel {p['data_parallel']}",
+        f"memory   ~{p['per_gpu_memory_gib']} GiB per GPU: "
+        + ", ".join(f"{k} {v}" for k, v in p["per_gpu_breakdown_gib"].items()),
+        f"why      {p['reason']}",
+    ]
+    o = p["offline_vs_online"]
+    lines.append(f"offline  {o['offline_storage_tb']} TB of hidden states ({o['formula']})")
+    lines.append(f"         {o['online_note']}")
+    lines.append("per hardware (same GPU count; assumptions: mfu "
+                 f"{p['assumptions']['mfu']}, drafter {p['assumptions']['drafter_compute_share']:.0%} of the target forward):")
+    for h in o["per_hardware"]:
+        lines.append(f"  {h['gpu']:18} {h['tokens_per_s']:>9} tok/s  stream {h['stream_bandwidth_gb_s']:>7} GB/s "
+                     f"over {h['link']:24} ~{h['wall_hours']} h")
+    return "\n".join(lines)
+
+
+def cmd_plan(args) -> int:
+    plan = make_plan(args)
+    print(json.dumps(plan, indent=1) if args.json else render_text(plan))
+    return 0 if plan["gpus_per_copy"] is not None else 1
