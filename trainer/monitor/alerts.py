@@ -1,0 +1,54 @@
+"""Alerts: what a person watching a run must not miss. Each one is a `warning` record like the event
+stream's (`event`, `kind`, `message`), plus `level` ("error" or "warn"). Light side."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from trainer.monitor.state import RunState
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    stall_factor: float = 5.0  # no step event for this many median step-event gaps ...
+    stall_min_s: float = 60.0  # ... and at least this long
+    disk_min_bytes: int = 10 * 2**30
+
+
+def _alert(kind: str, level: str, message: str, **extra: Any) -> dict[str, Any]:
+    return {"event": "warning", "kind": kind, "level": level, "message": message, **extra}
+
+
+def evaluate(state: RunState, now: float, th: Thresholds, disk: dict[str, Any] | None = None,
+             alive: bool | None = None) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    running = state.status == "running"
+    if running and alive is False:
+        out.append(_alert("process_gone", "error",
+                          f"trainer process {state.pid} is gone but the run never wrote run_end "
+                          f"(killed? out of memory? node rebooted?); last step {state.step}", pid=state.pid))
+    gap = state.median_gap()
+    if running and alive is not False and gap is not None and state.last_step_time is not None:
+        quiet = now - state.last_step_time
+        limit = max(th.stall_factor * gap, th.stall_min_s)
+        if quiet > limit:
+            out.append(_alert("stall", "error",
+                              f"no step for {quiet:.0f}s ({quiet / gap:.0f}x the median {gap:.1f}s between steps); "
+                              f"last step {state.step}", quiet_s=round(quiet, 1), limit_s=round(limit, 1)))
+    if state.nonfinite_steps:
+        steps = state.nonfinite_steps
+        shown = ", ".join(str(s) for s in steps[-5:])
+        level = "error" if steps[-1] >= state.step else "warn"
+        out.append(_alert("nonfinite_loss", level,
+                          f"NaN/inf loss at {len(steps)} step(s) (latest: {shown}); those updates were skipped",
+                          steps=steps[-20:]))
+    if disk is not None and disk["free_bytes"] < th.disk_min_bytes:
+        out.append(_alert("disk_low", "error",
+                          f"only {disk['free_bytes'] / 2**30:.1f} GiB free on the run dir's disk "
+                          f"(threshold {th.disk_min_bytes / 2**30:.1f} GiB): checkpoints may fail",
+                          free_bytes=disk["free_bytes"]))
+    if state.status == "failed":
+        err = (state.end or {}).get("error")
+        out.append(_alert("run_failed", "error", f"the run failed at step {state.step}" + (f": {err}" if err else "")))
+    return out

@@ -1,0 +1,262 @@
+"""What a run's event stream says, computed incrementally: progress, speed, ETA, curves, last checkpoint
+and eval, trainer warnings, final status. Shared by `dflash monitor`, `dflash status` and
+`dflash summary` (light side: stdlib only).
+
+`RunState.feed(event)` costs O(1) amortised per event; memory grows by a few numbers per step event
+(curves are kept whole in compact arrays, never the raw events), so a days-long run stays small.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from array import array
+from bisect import bisect_left
+from collections import deque
+from statistics import fmean
+from typing import Any
+
+CURVES = ("loss", "eal", "lr", "tokens_per_s")
+FINISHED = ("completed", "stopped", "failed", "refused")
+SPEED_WINDOW = 32  # step events used for s/step, tokens/s and the stall median
+
+
+def num(value: Any) -> float | None:
+    """A number from an event field; the stream writes NaN/inf as the strings "nan"/"inf"/"-inf"."""
+    if isinstance(value, bool) or value is None:
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str) and value in ("nan", "inf", "-inf"):
+        return float(value)
+    return None
+
+
+def finite(value: Any) -> bool:
+    v = num(value)
+    return v is not None and math.isfinite(v)
+
+
+class RunState:
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.events = 0
+        self.rewinds = 0  # bumped when a resume replays steps and the curves are cut back
+        self.run_id: str | None = None
+        self.starts: list[dict[str, Any]] = []  # run_start events minus their bulky config
+        self.config: dict[str, Any] | None = None
+        self.total_steps: int | None = None
+        self.total_tokens: int | None = None
+        self.pid: int | None = None
+        self.step = 0
+        self.tokens = 0
+        self.last: dict[str, Any] = {}  # the newest step event
+        self.last_step_time: float | None = None
+        self.first_time: float | None = None
+        self.last_time: float | None = None
+        self.steps = array("q")  # curve x
+        self.times = array("d")
+        self.curves = {k: array("d") for k in CURVES}
+        self.nonfinite_steps: list[int] = []
+        self.checkpoints: list[dict[str, Any]] = []
+        self.evals: list[dict[str, Any]] = []
+        self.warnings: list[dict[str, Any]] = []
+        self.end: dict[str, Any] | None = None
+        self._window: deque[tuple[float, int, int]] = deque(maxlen=SPEED_WINDOW)
+        self._gaps: deque[float] = deque(maxlen=SPEED_WINDOW)
+
+    # ------------------------------------------------------------------ input
+    def feed(self, ev: dict[str, Any]) -> None:
+        kind = ev.get("event")
+        t = num(ev.get("time"))
+        self.events += 1
+        if t is not None:
+            self.first_time = t if self.first_time is None else self.first_time
+            self.last_time = t
+        if ev.get("run_id"):
+            self.run_id = ev["run_id"]
+        if kind == "run_start":
+            self._on_start(ev)
+        elif kind == "step":
+            self._on_step(ev, t)
+        elif kind == "checkpoint":
+            self.checkpoints.append({k: ev.get(k) for k in ("name", "step", "time", "size_bytes", "seconds", "reason")})
+            del self.checkpoints[:-1000]
+        elif kind == "eval":
+            self.evals.append({k: v for k, v in ev.items() if isinstance(v, (int, float, str)) or k == "per_position_acceptance"})
+            del self.evals[:-1000]
+        elif kind == "warning":
+            self.warnings.append({k: ev.get(k) for k in ("kind", "message", "step", "time")})
+            if ev.get("kind") in ("nonfinite_loss", "nonfinite_abort") and ev.get("step") is not None:
+                self._nonfinite(int(ev["step"]))
+            del self.warnings[:-200]
+        elif kind == "run_end":
+            self.end = {k: ev.get(k) for k in ("status", "step", "tokens", "time", "wall_s", "error", "signal", "last_checkpoint")}
+
+    def _on_start(self, ev: dict[str, Any]) -> None:
+        totals = ev.get("totals") or {}
+        self.starts.append({k: ev.get(k) for k in ("time", "resumed_from", "start_step", "tokens", "layout", "pid")}
+                           | {"data": totals.get("data")})
+        self.config = ev.get("config")
+        self.total_steps = totals.get("total_steps", self.total_steps)
+        self.total_tokens = totals.get("total_tokens", self.total_tokens)
+        self.pid = ev.get("pid")
+        self.end = None
+        self.step = int(ev.get("start_step") or 0)
+        self.tokens = int(ev.get("tokens") or 0)
+        self._window.clear()
+        self._gaps.clear()
+        self.last_step_time = num(ev.get("time"))
+
+    def _nonfinite(self, step: int) -> None:
+        if not self.nonfinite_steps or self.nonfinite_steps[-1] != step:
+            self.nonfinite_steps.append(step)
+            del self.nonfinite_steps[:-100]
+
+    def _on_step(self, ev: dict[str, Any], t: float | None) -> None:
+        step = int(ev.get("step") or 0)
+        if self.steps and step <= self.steps[-1]:
+            # a resume replays steps after the checkpoint it restarted from: the replay replaces them
+            cut = bisect_left(self.steps, step)
+            self.rewinds += 1
+            del self.steps[cut:]
+            del self.times[cut:]
+            for arr in self.curves.values():
+                del arr[cut:]
+        self.steps.append(step)
+        self.times.append(t if t is not None else math.nan)
+        for key, arr in self.curves.items():
+            v = num(ev.get(key))
+            arr.append(math.nan if v is None else v)
+        if not finite(ev.get("loss")):
+            self._nonfinite(step)
+        if ev.get("total_steps"):
+            self.total_steps = ev["total_steps"]
+        self.step = step
+        self.tokens = int(ev.get("tokens") or self.tokens)
+        self.last = ev
+        if t is not None:
+            if self._window and self.last_step_time is not None:
+                self._gaps.append(t - self.last_step_time)
+            self._window.append((t, step, self.tokens))
+            self.last_step_time = t
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def status(self) -> str:
+        if self.end is not None:
+            return str(self.end.get("status") or "finished")
+        if self.starts:
+            return "running"
+        return "waiting" if self.events == 0 else "unknown"
+
+    @property
+    def finished(self) -> bool:
+        return self.status in FINISHED
+
+    def seconds_per_step(self) -> float | None:
+        if len(self._window) < 2:
+            return None
+        (t0, s0, _), (t1, s1, _) = self._window[0], self._window[-1]
+        return (t1 - t0) / (s1 - s0) if s1 > s0 and t1 > t0 else None
+
+    def tokens_per_s(self) -> float | None:
+        if len(self._window) >= 2:
+            (t0, _, k0), (t1, _, k1) = self._window[0], self._window[-1]
+            if t1 > t0 and k1 > k0:
+                return (k1 - k0) / (t1 - t0)
+        v = num(self.last.get("tokens_per_s"))
+        return v if v is not None and math.isfinite(v) else None
+
+    def median_gap(self) -> float | None:
+        """Median seconds between consecutive step events of the current start (for the stall alert)."""
+        return statistics.median(self._gaps) if self._gaps else None
+
+    def eta_s(self) -> float | None:
+        if self.finished or not self.total_steps:
+            return 0.0 if self.finished else None
+        sps = self.seconds_per_step()
+        return None if sps is None else max(0, self.total_steps - self.step) * sps
+
+    def elapsed_s(self, now: float) -> float | None:
+        if not self.starts or self.starts[0].get("time") is None:
+            return None
+        end = self.end["time"] if self.end and self.end.get("time") else now
+        return max(0.0, end - self.starts[0]["time"])
+
+    def curve(self, key: str, max_points: int | None = None, since: int = 0) -> list[list[float]]:
+        """[[step, value], ...] of the finite points from index `since` on; with `max_points`, min/max
+        decimation keeps every bucket's lowest and highest point, so no spike disappears."""
+        xs, ys = self.steps, self.curves[key]
+        idx = [i for i in range(since, len(xs)) if math.isfinite(ys[i])]
+        if max_points and len(idx) > max_points:
+            idx = minmax_indices(idx, ys, max(1, max_points // 2))
+        return [[xs[i], ys[i]] for i in idx]
+
+    def head_tail_means(self, key: str) -> tuple[float | None, float | None]:
+        """Mean over the first and the last tenth of the step events (finite values only)."""
+        n = len(self.steps)
+        if n == 0:
+            return None, None
+        k = max(1, n // 10)
+        ys = self.curves[key]
+        head = [v for v in ys[:k] if math.isfinite(v)]
+        tail = [v for v in ys[n - k :] if math.isfinite(v)]
+        return (fmean(head) if head else None), (fmean(tail) if tail else None)
+
+    def summary(self) -> dict[str, Any]:
+        """The run at a glance; `dflash summary` prints it, the monitor shows it for finished runs."""
+        loss_first, loss_last = self.head_tail_means("loss")
+        eal_first, eal_last = self.head_tail_means("eal")
+        _, tps = self.head_tail_means("tokens_per_s")
+        out: dict[str, Any] = {
+            "status": self.status,
+            "starts": len(self.starts),
+            "resumed_from": [s["resumed_from"] for s in self.starts if s.get("resumed_from")],
+            "step": self.step,
+            "total_steps": self.total_steps,
+            "tokens": self.tokens,
+            "loss_first": loss_first,
+            "loss_last": loss_last,
+            "eal_first": eal_first,
+            "eal_last": eal_last,
+            "position_acc_last": self.last.get("position_acc"),
+            "tokens_per_s": tps,
+            "checkpoints": [c["name"] for c in self.checkpoints],
+            "last_checkpoint": self.checkpoints[-1]["name"] if self.checkpoints else None,
+            "last_eval_tau": num(self.evals[-1].get("tau")) if self.evals else None,
+            "warnings": [w.get("message") or w.get("kind") for w in self.warnings],
+            "wall_s": (self.end or {}).get("wall_s"),
+        }
+        if self.starts:
+            out["layout"] = self.starts[-1].get("layout") or {}
+            out["data"] = self.starts[-1].get("data")
+        return out
+
+
+def minmax_indices(idx: list[int], ys, buckets: int) -> list[int]:
+    """Split `idx` into `buckets` runs of consecutive points; keep each run's min and max (in order)."""
+    n = len(idx)
+    keep: list[int] = []
+    for b in range(buckets):
+        lo, hi = b * n // buckets, (b + 1) * n // buckets
+        if lo >= hi:
+            continue
+        part = idx[lo:hi]
+        i_min = min(part, key=ys.__getitem__)
+        i_max = max(part, key=ys.__getitem__)
+        keep.extend(sorted({i_min, i_max}))
+    if keep and keep[-1] != idx[-1]:
+        keep.append(idx[-1])  # the newest point is always drawn
+    if keep and keep[0] != idx[0]:
+        keep.insert(0, idx[0])
+    return keep
+
+
+def state_from_events(events) -> RunState:
+    st = RunState()
+    for ev in events:
+        st.feed(ev)
+    return st
