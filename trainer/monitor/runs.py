@@ -242,8 +242,8 @@ class Hub:
         return changed
 
     def default_run(self) -> str:
-        """The run to show first: the one with the newest event."""
-        best = max(self.runs.values(), key=lambda r: (r.state.last_time or 0, r.id))
+        """The run to show first: a running one before finished ones, then the one with the newest event."""
+        best = max(self.runs.values(), key=lambda r: (r.state.status == "running", r.state.last_time or 0, r.id))
         return best.id
 
     def run_list(self) -> list[dict[str, Any]]:

@@ -157,10 +157,14 @@ class RunState:
         return self.status in FINISHED
 
     def seconds_per_step(self) -> float | None:
-        if len(self._window) < 2:
-            return None
-        (t0, s0, _), (t1, s1, _) = self._window[0], self._window[-1]
-        return (t1 - t0) / (s1 - s0) if s1 > s0 and t1 > t0 else None
+        """Wall seconds per step over the recent step events of this start (logging and checkpoint
+        time included); the trainer's own `step_s` of the last step while there is no window yet."""
+        if len(self._window) >= 2:
+            (t0, s0, _), (t1, s1, _) = self._window[0], self._window[-1]
+            if s1 > s0 and t1 > t0:
+                return (t1 - t0) / (s1 - s0)
+        v = num(self.last.get("step_s")) if self._window else None
+        return v if v is not None and math.isfinite(v) and v > 0 else None
 
     def tokens_per_s(self) -> float | None:
         if len(self._window) >= 2:

@@ -1,0 +1,240 @@
+"""The monitor's light parts on real files: the incremental follower (offsets, truncation, rotation, a
+file that does not exist yet), the tail of a large log, the run state (progress, ETA, resume replay,
+NaN), alerts, redaction, min/max decimation, and `dflash summary` sharing the same state."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from trainer.events import EventWriter
+from trainer.monitor.alerts import Thresholds, evaluate
+from trainer.monitor.redact import redact, redact_text
+from trainer.monitor.runs import Hub, RunMonitor, find_runs
+from trainer.monitor.state import RunState, minmax_indices
+from trainer.monitor.system import parse_nvidia_smi, process_alive
+from trainer.monitor.tailer import Follower, tail_lines
+from trainer.summary import render_summary, summarize
+
+
+def start_event(total=100, pid=None, t=None, **kw):
+    return {"event": "run_start", "time": t or time.time(), "run_id": "r", "start_step": kw.pop("start_step", 0),
+            "tokens": kw.pop("tokens", 0), "totals": {"total_steps": total, "total_tokens": total * 1000},
+            "layout": {"world_size": 1, "device": "cpu"}, "pid": pid, **kw}
+
+
+def step_event(step, t, loss=1.0, **kw):
+    return {"event": "step", "time": t, "run_id": "r", "step": step, "total_steps": 100, "tokens": step * 1000,
+            "loss": loss, "eal": 1.5, "lr": 1e-4, "position_acc": [0.5, 0.2], **kw}
+
+
+# ---------------------------------------------------------------- follower
+def test_follower_reads_only_new_complete_lines_and_survives_a_missing_file(tmp_path):
+    path = tmp_path / "later" / "events.jsonl"
+    f = Follower(path)
+    assert f.poll().lines == []  # neither the file nor its folder exist yet
+    path.parent.mkdir()
+    path.write_bytes(b"one\ntw")
+    c = f.poll()
+    assert c.lines == [b"one"] and c.offsets == [0] and f.offset == 6
+    with open(path, "ab") as fh:
+        fh.write(b"o\nthree\n")
+    c = f.poll()
+    assert c.lines == [b"two", b"three"] and c.offsets == [4, 8] and not c.reset
+    assert f.poll().lines == []
+
+
+def test_follower_restarts_on_truncation_and_on_rotation(tmp_path):
+    path = tmp_path / "events.jsonl"
+    path.write_bytes(b"a\nb\nc\n")
+    f = Follower(path)
+    assert f.poll().lines == [b"a", b"b", b"c"]
+    path.write_bytes(b"x\n")  # truncated and rewritten (shorter than the offset)
+    c = f.poll()
+    assert c.reset and c.lines == [b"x"] and f.resets == 1
+    os.rename(path, tmp_path / "events.jsonl.1")  # rotated: a new file (new inode) appears
+    path.write_bytes(b"new-1\nnew-2\nnew-3\n")
+    c = f.poll()
+    assert c.reset and c.lines == [b"new-1", b"new-2", b"new-3"] and f.resets == 2
+
+
+def test_follower_with_backlog_starts_near_the_end_of_a_big_log(tmp_path):
+    path = tmp_path / "train.log"
+    path.write_bytes(b"".join(b"line %06d\n" % i for i in range(100_000)))  # 1.2 MB
+    f = Follower(path, backlog_bytes=1000)
+    c = f.poll()
+    assert 80 < len(c.lines) <= 91 and c.lines[-1] == b"line 099999"
+    assert all(ln.startswith(b"line ") and len(ln) == 11 for ln in c.lines)  # the cut first line was dropped
+
+
+def test_tail_lines_reads_from_the_end_without_scanning_the_file(tmp_path):
+    path = tmp_path / "train.log"
+    with open(path, "wb") as fh:
+        fh.write(b"x" * 50_000_000 + b"\n")  # 50 MB of one early line
+        fh.write(b"".join(b"step %d\n" % i for i in range(1000)))
+        fh.write(b"half a li")  # still being written: not a line yet
+    assert tail_lines(path, 3) == ["step 997", "step 998", "step 999"]
+    assert tail_lines(tmp_path / "missing.log", 3) == []
+    assert tail_lines(path, 0) == []
+
+
+# ---------------------------------------------------------------- state
+def test_state_progress_speed_eta_and_resume_replay():
+    st = RunState()
+    t = 1000.0
+    st.feed(start_event(total=100, t=t))
+    for s in range(1, 11):
+        st.feed(step_event(s, t + s * 2.0, loss=10 - s))
+    assert st.status == "running" and st.step == 10 and st.seconds_per_step() == pytest.approx(2.0)
+    assert st.tokens_per_s() == pytest.approx(500.0) and st.eta_s() == pytest.approx(90 * 2.0)
+    assert st.median_gap() == pytest.approx(2.0)
+    # crash after step 10, resume from the checkpoint of step 6: steps 7.. are replayed and replace the old ones
+    st.feed(start_event(total=100, t=t + 100, start_step=6, tokens=6000, resumed_from="step-00000006"))
+    assert st.seconds_per_step() is None  # the speed window restarts with the new process
+    for s in range(7, 9):
+        st.feed(step_event(s, t + 100 + s, loss=0.5))
+    assert list(st.steps) == list(range(1, 9)) and st.curves["loss"][-1] == 0.5 and st.rewinds == 1
+    st.feed({"event": "run_end", "time": t + 200, "run_id": "r", "status": "completed", "step": 8, "wall_s": 50.0})
+    assert st.finished and st.eta_s() == 0.0 and st.elapsed_s(now=t + 999) == pytest.approx(200.0)
+    s = st.summary()
+    assert s["status"] == "completed" and s["starts"] == 2 and s["resumed_from"] == ["step-00000006"]
+
+
+def test_nonfinite_loss_is_kept_out_of_curves_and_raises_an_alert():
+    st = RunState()
+    st.feed(start_event(t=1.0))
+    st.feed(step_event(1, 2.0, loss=3.0))
+    st.feed(step_event(2, 3.0, loss="nan"))  # how EventWriter writes NaN
+    st.feed(step_event(3, 4.0, loss=2.0))
+    assert [p[0] for p in st.curve("loss")] == [1, 3]
+    assert st.nonfinite_steps == [2]
+    (alert,) = [a for a in evaluate(st, 4.0, Thresholds(disk_min_bytes=0)) if a["kind"] == "nonfinite_loss"]
+    assert alert["event"] == "warning" and alert["level"] == "warn" and "2" in alert["message"]
+    st.feed(step_event(4, 5.0, loss="inf"))
+    (alert,) = [a for a in evaluate(st, 5.0, Thresholds(disk_min_bytes=0)) if a["kind"] == "nonfinite_loss"]
+    assert alert["level"] == "error"  # the newest step is not finite
+
+
+def test_stall_alert_uses_the_median_gap_and_a_floor():
+    st = RunState()
+    st.feed(start_event(t=0.0, pid=None))
+    for s in range(1, 6):
+        st.feed(step_event(s, s * 1.0))
+    th = Thresholds(stall_factor=3, stall_min_s=2.0, disk_min_bytes=0)
+    assert evaluate(st, 5.0 + 2.5, th) == []
+    (alert,) = evaluate(st, 5.0 + 3.5, th)
+    assert alert["kind"] == "stall" and alert["level"] == "error" and "no step for 4s" in alert["message"]
+    th_floor = Thresholds(stall_factor=3, stall_min_s=60.0, disk_min_bytes=0)
+    assert evaluate(st, 5.0 + 30, th_floor) == []
+    st.feed({"event": "run_end", "time": 40.0, "run_id": "r", "status": "stopped", "step": 5})
+    assert evaluate(st, 500.0, th) == []  # a finished run does not stall
+
+
+def test_process_gone_and_disk_low_alerts(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()  # a real pid that has exited
+    started = time.time() - 5
+    assert process_alive(proc.pid, started) is False
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert process_alive(sleeper.pid, time.time()) is True
+        # the same pid seen by a run that started well before that process: a reused pid, not the trainer
+        assert process_alive(sleeper.pid, time.time() - 60) is False
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert process_alive(None) is None
+    st = RunState()
+    st.feed(start_event(t=started, pid=proc.pid))
+    kinds = {a["kind"] for a in evaluate(st, time.time(), Thresholds(disk_min_bytes=2**60), {"free_bytes": 10, "total_bytes": 20},
+                                         alive=process_alive(proc.pid, started))}
+    assert kinds == {"process_gone", "disk_low"}
+
+
+def test_minmax_decimation_keeps_spikes_and_the_ends():
+    ys = [1.0] * 10_000
+    ys[4321] = 50.0
+    ys[7000] = -3.0
+    keep = minmax_indices(list(range(len(ys))), ys, 100)
+    assert len(keep) <= 202 and 4321 in keep and 7000 in keep and keep[0] == 0 and keep[-1] == 9999
+    assert keep == sorted(keep)
+    st = RunState()
+    st.feed(start_event(total=20_000, t=0.0))
+    for s in range(1, 20_001):
+        st.feed(step_event(s, float(s), loss=100.0 if s == 12_345 else 1.0 + (s % 7) * 0.01))
+    pts = st.curve("loss", max_points=1000)
+    assert len(pts) <= 1002 and [12_345, 100.0] in pts
+    assert min(p[1] for p in pts) == pytest.approx(1.0) and max(p[1] for p in pts) == 100.0
+
+
+# ---------------------------------------------------------------- runs, redaction, summary
+def test_run_monitor_follows_a_real_writer_and_serves_events_by_index(tmp_path):
+    out = tmp_path / "run"
+    mon = RunMonitor(".", out)
+    assert not mon.refresh() and mon.state.status == "waiting"  # the run dir does not exist yet
+    w = EventWriter(out, "run-x")
+    w.emit("run_start", totals={"total_steps": 10, "total_tokens": 100}, config={"hf_token": "hf_" + "a" * 30}, pid=None)
+    for s in range(1, 6):
+        w.emit("step", step=s, total_steps=10, tokens=s * 10, loss=2.0 / s)
+        w.log(f"step {s} with token=supersecretvalue")
+    assert mon.refresh()
+    assert mon.state.step == 5 and len(mon.offsets) == 6
+    page = mon.events_since(4, limit=10)
+    assert page["next"] == 6 and [e["step"] for e in page["events"]] == [4, 5]
+    first = mon.events_since(0, limit=1)["events"][0]
+    assert first["config"]["hf_token"] == "***"
+    assert mon.log_tail(2)[-1].endswith("step 5 with token=***")
+    seq, lines = mon.log_since(3)
+    assert seq == 5 and len(lines) == 2
+
+
+def test_find_runs_lists_run_folders_and_a_pending_root(tmp_path):
+    assert find_runs(tmp_path / "nothing-yet") == {".": tmp_path / "nothing-yet"}
+    EventWriter(tmp_path / "a", "a").emit("run_start")
+    EventWriter(tmp_path / "group" / "b", "b").emit("run_start")
+    (tmp_path / "a" / "checkpoints" / "x").mkdir(parents=True)
+    assert sorted(find_runs(tmp_path)) == ["a", "group/b"]
+    hub = Hub(tmp_path)
+    assert sorted(hub.runs) == ["a", "group/b"]
+
+
+def test_redaction_masks_secret_keys_and_token_shaped_text_only():
+    ev = {"config": {"hf_token": "x1", "max_tokens_per_batch": 4096, "s3": {"aws_secret_access_key": "k", "bucket": "b"}},
+          "tokens": 12, "tokens_per_s": 3.5, "password": "p"}
+    out = redact(ev)
+    assert out["config"]["hf_token"] == "***" and out["config"]["s3"]["aws_secret_access_key"] == "***"
+    assert out["config"]["max_tokens_per_batch"] == 4096 and out["tokens"] == 12 and out["password"] == "***"
+    assert out["config"]["s3"]["bucket"] == "b"
+    line = "key AKIAABCDEFGHIJKLMNOP hf_abcdefghijklmnopqrstuvwxyz Authorization: Bearer abc.def.ghi tokens 5"
+    masked = redact_text(line)
+    assert "AKIA" not in masked and "hf_abc" not in masked and "abc.def" not in masked and "tokens 5" in masked
+
+
+def test_parse_nvidia_smi_rows():
+    text = "0, NVIDIA H200, 87, 70123, 143771, 61, 512.30\n1, NVIDIA H200, [N/A], 10, 143771, 40, [N/A]\n"
+    g0, g1 = parse_nvidia_smi(text)
+    assert g0["util_percent"] == 87 and g0["mem_used_bytes"] == 70123 * 2**20 and g0["power_w"] == pytest.approx(512.3)
+    assert g1["index"] == 1 and g1["util_percent"] is None and g1["power_w"] is None
+
+
+def test_summary_is_built_on_the_shared_state(tmp_path):
+    w = EventWriter(tmp_path, "s")
+    w.emit("run_start", totals={"total_steps": 20, "total_tokens": 200}, layout={"world_size": 1, "device": "cpu"}, pid=1)
+    for s in range(1, 21):
+        w.emit("step", step=s, total_steps=20, tokens=10 * s, loss=float(21 - s), eal=1.0 + s / 20, tokens_per_s=100.0,
+               position_acc=[0.9, 0.5])
+    w.emit("checkpoint", step=20, name="step-00000020", size_bytes=10)
+    w.emit("run_end", status="completed", step=20, tokens=200, wall_s=3.0)
+    s = summarize(tmp_path)
+    assert s["status"] == "completed" and s["loss_first"] == pytest.approx(19.5) and s["loss_last"] == pytest.approx(1.5)
+    assert s["last_checkpoint"] == "step-00000020" and math.isclose(s["eal_last"], 1.975)
+    text = render_summary(tmp_path)
+    assert "[completed]" in text and "step 20/20" in text and "19.5000 -> 1.5000" in text
+    with pytest.raises(FileNotFoundError):
+        summarize(Path(tmp_path) / "none")
