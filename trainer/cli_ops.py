@@ -58,7 +58,9 @@ def _gpu_facts(args) -> int:
     from trainer.gpus import GpuFactsError, build_facts, check_expected
 
     try:
-        facts = build_facts(_read(args.query), _read(args.smi))
+        query = args.query_text if args.query_text is not None else _read(args.query)
+        smi = args.smi_text if args.smi_text is not None else _read(args.smi)
+        facts = build_facts(query, smi)
         expected = json.loads(args.expected) if args.expected else {}
     except (GpuFactsError, FileNotFoundError, json.JSONDecodeError) as exc:
         return _fail("gpu facts", exc)
@@ -125,6 +127,8 @@ def add_verbs(sub) -> None:
     f = gsub.add_parser("facts", help="normalize nvidia-smi output into JSON facts")
     f.add_argument("--query", help="file with `nvidia-smi --query-gpu=...` output (absent: no GPU)")
     f.add_argument("--smi", help="file with plain `nvidia-smi` output (for the driver's CUDA version)")
+    f.add_argument("--query-text", help="the same output as a string (the gpu_facts role passes it so)")
+    f.add_argument("--smi-text", help="plain nvidia-smi output as a string")
     f.add_argument("--expected", help="JSON of the group's expected_gpu_* vars to compare with")
     f.set_defaults(func=_gpu_facts)
     d = gsub.add_parser("decide", help="what the nvidia_driver and cuda_toolkit roles should do")

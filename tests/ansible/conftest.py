@@ -1,0 +1,96 @@
+"""Fixtures for the Ansible tests: real sshd hosts in network namespaces (testbed.py), a controller wheel
+cache (scripts/wheel-cache) and a helper that runs a playbook through ansible-runner and returns its
+per-host stats and events."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.ansible import testbed
+
+REPO = testbed.REPO
+VENV_BIN = Path(sys.executable).parent
+
+
+@pytest.fixture(scope="session")
+def bed(tmp_path_factory):
+    why = testbed.preconditions()
+    if why:
+        pytest.fail(f"real test hosts cannot start here: {why}")
+    b = testbed.start(tmp_path_factory.mktemp("testbed"))
+    yield b
+    b.close()
+
+
+@pytest.fixture(scope="session")
+def wheel_cache():
+    """The controller's wheel cache (build/wheel-cache): hosts install from it with --no-index."""
+    path = REPO / "build" / "wheel-cache"
+    subprocess.run([str(REPO / "scripts" / "wheel-cache"), str(path)], check=True)
+    return path
+
+
+class Runner:
+    def __init__(self, workdir: Path):
+        self.workdir = workdir
+
+    def run(self, playbook: str, inventory: Path, limit: str | None = None, extravars: dict | None = None,
+            check: bool = False, tags: str | None = None):
+        import ansible_runner
+
+        env = {"PATH": f"{VENV_BIN}:{os.environ['PATH']}", "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
+               "ANSIBLE_ROLES_PATH": str(REPO / "roles"), "HF_HUB_OFFLINE": "1",
+               "ANSIBLE_NOCOLOR": "1", "ANSIBLE_FORCE_COLOR": "0"}
+        cmdline = "--check" if check else None
+        pdir = self.workdir / f"runner-{len(list(self.workdir.glob('runner-*')))}"
+        pdir.mkdir(parents=True)
+        r = ansible_runner.run(
+            private_data_dir=str(pdir),
+            playbook=str(REPO / "playbooks" / playbook) if not Path(playbook).is_absolute() else playbook,
+            inventory=str(inventory), limit=limit, extravars=extravars or {}, envvars=env, cmdline=cmdline,
+            tags=tags, quiet=True, project_dir=str(REPO),
+        )
+        return Result(r)
+
+
+class Result:
+    def __init__(self, r):
+        self.r = r
+        self.status, self.rc = r.status, r.rc
+        self.stats = r.stats or {}
+        self.events = list(r.events)
+        self.stdout = r.stdout.read()
+
+    def changed(self, host: str) -> int:
+        return self.stats.get("changed", {}).get(host, 0)
+
+    def changed_tasks(self, host: str | None = None) -> list[str]:
+        return [e["event_data"].get("task") for e in self.events if e.get("event") == "runner_on_ok"
+                and e["event_data"].get("res", {}).get("changed") and (host is None or e["event_data"].get("host") == host)]
+
+    def task_results(self, task: str, host: str | None = None) -> list[dict]:
+        return [e["event_data"]["res"] for e in self.events
+                if e.get("event") in ("runner_on_ok", "runner_on_failed", "runner_on_skipped")
+                and e["event_data"].get("task") == task and (host is None or e["event_data"].get("host") == host)]
+
+    def ok(self) -> bool:
+        return self.rc == 0 and self.status == "successful"
+
+
+@pytest.fixture
+def runner(tmp_path):
+    return Runner(tmp_path)
+
+
+@pytest.fixture
+def reports(tmp_path):
+    d = tmp_path / "reports"
+    d.mkdir()
+    yield d
+    shutil.rmtree(d, ignore_errors=True)

@@ -1,0 +1,212 @@
+"""Real test hosts for the Ansible roles: sshd servers in network namespaces on odd ports (like rented
+nodes), reached with a generated key and host key checking ON (a known_hosts file of their real host
+keys). Hosts share this machine's filesystem, so each gets its own root folder (`dflash_root`).
+
+Used by tests/ansible/ (pytest fixtures), the molecule scenarios (roles/*/molecule/default/) and
+bench/sync.py. Needs root, iproute2, openssh-server (requirements/apt.txt). Everything it creates is
+removed by `Testbed.close()` (namespaces, veth links, sshd processes it started)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+SSHD = "/usr/sbin/sshd"
+ODD_PORTS = (14085, 22617, 40122, 31337)
+
+
+def _run(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, check=check)
+
+
+@dataclass
+class Host:
+    name: str
+    ns: str
+    addr: str
+    port: int
+    root: Path
+    workdir: Path
+    pid: int | None = None
+
+    def ssh(self, bed: "Testbed", command: str, check: bool = True) -> subprocess.CompletedProcess:
+        """Run `command` on the host over real SSH (the same key and known_hosts Ansible uses)."""
+        return subprocess.run(
+            ["ssh", *bed.ssh_options(), "-p", str(self.port), f"root@{self.addr}", command],
+            capture_output=True, text=True, check=check, timeout=300,
+        )
+
+    @property
+    def inventory_vars(self) -> dict:
+        return {"ansible_host": self.addr, "ansible_port": self.port, "ansible_user": "root"}
+
+
+@dataclass
+class Testbed:
+    workdir: Path
+    hosts: dict[str, Host] = field(default_factory=dict)
+    links: list[str] = field(default_factory=list)
+
+    @property
+    def key(self) -> Path:
+        return self.workdir / "id_ed25519"
+
+    @property
+    def known_hosts(self) -> Path:
+        return self.workdir / "known_hosts"
+
+    def ssh_options(self) -> list[str]:
+        return ["-i", str(self.key), "-o", "IdentitiesOnly=yes", "-o", f"UserKnownHostsFile={self.known_hosts}",
+                "-o", "StrictHostKeyChecking=yes", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10"]
+
+    def ssh_common_args(self) -> str:
+        return " ".join(self.ssh_options()[2:])  # the key goes in ansible_ssh_private_key_file
+
+    # ------------------------------------------------------------ lifecycle
+
+    def add_host(self, name: str, port: int) -> Host:
+        tag = f"{os.getpid() % 100000}{len(self.hosts)}"
+        ns = f"dflash5-{tag}"
+        third = _free_subnet()
+        veth, peer = f"d5{tag}a"[:15], f"d5{tag}b"[:15]
+        hdir = self.workdir / name
+        root = hdir / "root"
+        root.mkdir(parents=True)
+        _run("ip", "netns", "add", ns)
+        self.links.append(ns)
+        _run("ip", "link", "add", veth, "type", "veth", "peer", "name", peer)
+        _run("ip", "link", "set", peer, "netns", ns)
+        _run("ip", "addr", "add", f"10.200.{third}.1/24", "dev", veth)
+        _run("ip", "link", "set", veth, "up")
+        addr = f"10.200.{third}.2"
+        for cmd in (("ip", "addr", "add", f"{addr}/24", "dev", peer), ("ip", "link", "set", peer, "up"),
+                    ("ip", "link", "set", "lo", "up")):
+            _run("ip", "netns", "exec", ns, *cmd)
+        _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(hdir / "ssh_host_ed25519_key"))
+        shutil.copy(self.key.with_suffix(".pub"), hdir / "authorized_keys")
+        cfg = hdir / "sshd_config"
+        cfg.write_text(
+            f"Port {port}\nListenAddress {addr}\nHostKey {hdir}/ssh_host_ed25519_key\nPidFile {hdir}/sshd.pid\n"
+            f"AuthorizedKeysFile {hdir}/authorized_keys\nPermitRootLogin prohibit-password\n"
+            "PasswordAuthentication no\nKbdInteractiveAuthentication no\nUsePAM no\nStrictModes no\n"
+            "MaxSessions 50\nMaxStartups 50\nSubsystem sftp internal-sftp\nAcceptEnv LANG LC_*\n"
+        )
+        Path("/run/sshd").mkdir(exist_ok=True)
+        # a distinct hostname per host (its own UTS namespace), sshd daemonizes and writes its pid file
+        _run("ip", "netns", "exec", ns, "unshare", "--uts", "sh", "-c",
+             f"hostname {name} && exec {SSHD} -f {cfg} -E {hdir}/sshd.log")
+        host = Host(name, ns, addr, port, root, hdir)
+        self.hosts[name] = host
+        _wait_port(addr, port, hdir / "sshd.log")
+        host.pid = int((hdir / "sshd.pid").read_text())
+        pub = (hdir / "ssh_host_ed25519_key.pub").read_text().split()
+        with open(self.known_hosts, "a") as fh:
+            fh.write(f"[{addr}]:{port} {pub[0]} {pub[1]}\n")
+        return host
+
+    def close(self) -> None:
+        for h in self.hosts.values():
+            if h.pid:
+                try:
+                    os.kill(h.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+            # processes a test started inside the namespace (trainers, monitors) go with it
+            pids = _run("ip", "netns", "pids", h.ns, check=False).stdout.split()
+            for p in pids:
+                try:
+                    os.kill(int(p), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
+        for ns in self.links:
+            _run("ip", "netns", "del", ns, check=False)  # deletes the veth pair with it
+        self.hosts.clear()
+        self.links.clear()
+
+    def inventory(self, path: Path, extra_hostvars: dict[str, dict] | None = None, group: str = "testhosts",
+                  group_vars: dict | None = None) -> Path:
+        """An inventory of the hosts (their odd ports, the key, host key checking on)."""
+        hosts = {}
+        for name, h in self.hosts.items():
+            hosts[name] = {**h.inventory_vars, "dflash_root": str(h.root), **(extra_hostvars or {}).get(name, {})}
+        inv = {"all": {
+            "vars": {
+                "ansible_ssh_private_key_file": str(self.key),
+                "ansible_ssh_common_args": self.ssh_common_args(),
+                "ansible_python_interpreter": "/usr/bin/python3",
+                # hosts share this machine's filesystem: host-wide paths go under each host's root
+                "gpu_facts_fact_dir": "{{ dflash_root }}/facts.d",
+                **(group_vars or {}),
+            },
+            "children": {group: {"hosts": hosts}},
+        }}
+        path.write_text(yaml.safe_dump(inv, sort_keys=False))
+        return path
+
+
+def _free_subnet() -> int:
+    used = _run("ip", "-o", "-4", "addr", check=False).stdout
+    for _ in range(200):
+        third = random.randint(100, 250)
+        if f"10.200.{third}." not in used:
+            return third
+    raise RuntimeError("no free 10.200.x.0/24 subnet for a test host")
+
+
+def _wait_port(addr: str, port: int, log: Path, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((addr, port), timeout=1):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError(f"sshd on {addr}:{port} did not start: {log.read_text() if log.exists() else 'no log'}")
+
+
+def start(workdir: Path, names: tuple[str, ...] = ("node-a", "node-b")) -> Testbed:
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    bed = Testbed(workdir)
+    _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "dflash-testbed", "-f", str(bed.key))
+    bed.known_hosts.write_text("")
+    try:
+        for i, name in enumerate(names):
+            bed.add_host(name, ODD_PORTS[i % len(ODD_PORTS)])
+    except BaseException:
+        bed.close()
+        raise
+    return bed
+
+
+def preconditions() -> str | None:
+    """Why real hosts cannot run here (None: they can)."""
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    for tool in (SSHD, shutil.which("ip"), shutil.which("ssh"), shutil.which("rsync")):
+        if not tool or not Path(tool).exists():
+            return "missing openssh-server/iproute2/rsync (scripts/setup-system installs them)"
+    return None
+
+
+if __name__ == "__main__":  # manual use: python -m tests.ansible.testbed DIR  (Ctrl-C tears down)
+    import sys
+
+    bed = start(Path(sys.argv[1]))
+    bed.inventory(Path(sys.argv[1]) / "inventory.yml")
+    print(json.dumps({n: [h.addr, h.port] for n, h in bed.hosts.items()}))
+    try:
+        signal.pause()
+    finally:
+        bed.close()
