@@ -99,6 +99,14 @@ class TrainConfig(_Section):
     stop_timeout_s: float = Field(
         600.0, gt=0, description="bound on SIGTERM -> final checkpoint -> exit; past it the run exits 3"
     )
+    stall_factor: float = Field(10.0, gt=1, description="a step running this many times the median step is a stall (warning event)")
+    stall_min_s: float = Field(120.0, gt=0, description="never call a step stalled before this many seconds")
+    agreement_every: int = Field(
+        50, ge=1, description="steps between target_agreement checks (and step 1): verifier argmax vs the data"
+    )
+    min_target_agreement: float = Field(
+        0.5, ge=0, le=1, description="warn when fewer supervised tokens are the target's own greedy choice"
+    )
     nan_tolerance: int = Field(
         3, ge=0, description="consecutive non-finite losses skipped (warned) before the run stops"
     )

@@ -108,6 +108,47 @@ class StopRequest:
             self._timer.cancel()
 
 
+class StallWatchdog:
+    """Warns (once per stall) when the current step has run far longer than steps usually take:
+    a hang in a collective, a dead NFS mount, a GPU wedged. It runs in a thread, so it speaks even
+    when the loop cannot; the monitor adds its own stall alert from the outside."""
+
+    def __init__(self, on_stall, factor: float = 10.0, min_s: float = 120.0, poll_s: float = 5.0):
+        self.on_stall, self.factor, self.min_s, self.poll_s = on_stall, factor, min_s, poll_s
+        self._durations: list[float] = []
+        self._started = time.monotonic()
+        self._warned = False
+        self._step = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True, name="dflash-stall-watchdog")
+
+    def start(self) -> "StallWatchdog":
+        self._started = time.monotonic()
+        self._thread.start()
+        return self
+
+    def step_done(self, step: int) -> None:
+        now = time.monotonic()
+        self._durations = (self._durations + [now - self._started])[-50:]
+        self._started, self._step, self._warned = now, step, False
+
+    def threshold_s(self) -> float:
+        if not self._durations:
+            return max(self.min_s, 10 * self.min_s)  # first step: loading, compiling
+        med = sorted(self._durations)[len(self._durations) // 2]
+        return max(self.min_s, self.factor * med)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            waited = time.monotonic() - self._started
+            if not self._warned and waited > self.threshold_s():
+                self._warned = True
+                self.on_stall(self._step + 1, waited, self.threshold_s())
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
 # ---------------------------------------------------------------- helpers
 def lr_lambda(cfg: RunConfig):
     t = cfg.train
@@ -212,6 +253,7 @@ class Trainer:
         self.step = 0
         self.tokens = 0
         self.resumed_from: str | None = None
+        self._agreement_warned = False
 
     # -------------------------------------------------------------- resume
     def resume(self) -> None:
@@ -312,20 +354,63 @@ class Trainer:
             torch.cuda.synchronize(d.device)
         return loss, metrics, grad_norm, lr, ok
 
+    def features_finite(self, cap) -> bool:
+        """The target's features are finite on every rank. A broken target (corrupt shard, fp16
+        overflow) otherwise trains silently: NaN verifier logits have argmax 0 everywhere, the
+        drafter learns to always say 0 and `eal` looks perfect."""
+        ok = torch.tensor([float(bool(torch.isfinite(cap.aux).all()) and bool(torch.isfinite(cap.last).all()))],
+                          device=self.d.device)
+        return all_reduce_(ok, self.d, dist.ReduceOp.MIN).item() == 1.0
+
+    @torch.no_grad()
+    def target_agreement(self, b: dict[str, Any], cap) -> float | None:
+        """Share of supervised tokens that equal the verifier's own greedy prediction from the
+        previous position (pooled over ranks). On data the target wrote itself (what DFlash's
+        targets assume) it is near 1. Low: the data was written by another model or with another
+        chat template / thinking mode, or the target is broken (its logits collapse)."""
+        ids, mask, docs = b["input_ids_t"][0], b["loss_mask_t"][0], b["document_ids_t"][0]
+        head, norm = self.drafter.verifier_lm_head, self.drafter.verifier_norm
+        hits = torch.zeros(2, device=self.d.device)
+        T = ids.numel()
+        for s in range(0, T - 1, 1024):  # chunked: T x vocab logits never materialise at once
+            e = min(T - 1, s + 1024)
+            pred = head(norm(cap.last[0, s:e].to(head.weight.dtype))).argmax(-1)
+            sel = (mask[s + 1 : e + 1] != 0) & (docs[s + 1 : e + 1] == docs[s:e])
+            hits[0] += (pred[sel] == ids[s + 1 : e + 1][sel]).sum()
+            hits[1] += sel.sum()
+        all_reduce_(hits, self.d)
+        return (hits[0] / hits[1]).item() if hits[1] > 0 else None
+
     def train_step(self) -> dict[str, Any]:
         t0 = time.perf_counter()
         b = self.next_batch()
         cap = self.capture(b)
+        features_ok = self.features_finite(cap)
+        check = self.step == 0 or (self.step + 1) % self.cfg.train.agreement_every == 0
+        agreement = self.target_agreement(b, cap) if check and features_ok else None
         t1 = time.perf_counter()
+        if not features_ok:  # every rank skips together (no half-done DDP backward)
+            lr = self.scheduler.get_last_lr()[0]
+            self.scheduler.step()
+            nan = torch.tensor(float("nan"), device=self.d.device)
+            m = self._step_metrics(b, nan, {}, nan, lr, False, t0, t1, time.perf_counter())
+            m["problem"] = "nonfinite_target"
+            return m
         loss, metrics, grad_norm, lr, finite = self.drafter_step(b, cap)
         t2 = time.perf_counter()
-        return self._step_metrics(b, loss, metrics, grad_norm, lr, finite, t0, t1, t2)
+        m = self._step_metrics(b, loss, metrics, grad_norm, lr, finite, t0, t1, t2)
+        if agreement is not None:
+            m["target_agreement"] = agreement
+        if not finite:
+            m["problem"] = "nonfinite_loss"
+        return m
 
     def _step_metrics(self, b, loss, metrics, grad_norm, lr, finite, t0, t1, t2) -> dict[str, Any]:
         d, B = self.d, self.cfg.drafter.block_size
         keys = ["eal_sum", "eal_total", "full_acc_sum", "full_acc_total"]
         keys += [f"position_{k}_acc_{s}" for k in range(1, B) for s in ("sum", "total")]
-        vec = torch.stack([metrics[k].detach().float().reshape(()) for k in keys] + [
+        zero = torch.zeros((), device=d.device)
+        vec = torch.stack([metrics.get(k, zero).detach().float().reshape(()) for k in keys] + [
             loss.detach().float().reshape(()), torch.tensor(float(b["input_ids"].size), device=d.device),
             torch.tensor(float(b["loss_mask"].sum()), device=d.device)])
         all_reduce_(vec, d)
@@ -372,22 +457,43 @@ class Trainer:
         bad_streak = 0
         status, code = "completed", EXIT_OK
         t_start = time.monotonic()
+
+        def on_stall(step: int, waited: float, threshold: float) -> None:
+            self.emit("warning", kind="stall", step=step, waited_s=round(waited, 1),
+                      message=f"step {step} has run {waited:.0f}s (> {threshold:.0f}s, {cfg.train.stall_factor:g}x the median step)")
+            self.log(f"WARNING step {step} stalled for {waited:.0f}s")
+
+        watchdog = StallWatchdog(on_stall, cfg.train.stall_factor, cfg.train.stall_min_s).start()
         try:
             while self.step < total:
                 m = self.train_step()
                 self.step += 1
-                if not m["finite"]:
+                watchdog.step_done(self.step)
+                problem = m.pop("problem", None)
+                if problem:
                     bad_streak += 1
-                    self.emit("warning", kind="nonfinite_loss", step=self.step, loss=m["loss"], grad_norm=m["grad_norm"],
-                              message=f"non-finite loss/grad at step {self.step}: update skipped ({bad_streak} in a row)")
-                    self.log(f"WARNING non-finite loss at step {self.step}: update skipped")
+                    what = "target features" if problem == "nonfinite_target" else "loss/grad"
+                    self.emit("warning", kind=problem, step=self.step, loss=m["loss"], grad_norm=m["grad_norm"],
+                              message=f"non-finite {what} at step {self.step}: update skipped ({bad_streak} in a row)")
+                    self.log(f"WARNING non-finite {what} at step {self.step}: update skipped")
                     if bad_streak > cfg.train.nan_tolerance:
                         status, code = "failed", EXIT_FAILED
+                        hint = ("check the target's weights (a corrupt shard? fp16 overflow?)" if problem == "nonfinite_target"
+                                else "lower train.lr or check the data")
                         self.emit("warning", kind="nonfinite_abort", step=self.step,
-                                  message=f"{bad_streak} non-finite steps in a row: stopping (lower train.lr?)")
+                                  message=f"{bad_streak} non-finite steps in a row: stopping ({hint})")
                         break
                 else:
                     bad_streak = 0
+                agreement = m.get("target_agreement")
+                if agreement is not None and agreement < cfg.train.min_target_agreement and not self._agreement_warned:
+                    self._agreement_warned = True
+                    self.emit("warning", kind="low_target_agreement", step=self.step, target_agreement=agreement,
+                              message=f"only {agreement:.0%} of supervised tokens are the target's own greedy choice "
+                                      f"(< {cfg.train.min_target_agreement:.0%}): the drafter learns the target's "
+                                      "predictions, not this data. Regenerate the responses with this target and "
+                                      "the serving chat template (`dflash regenerate`), or check the target's weights")
+                    self.log(f"WARNING target agreement {agreement:.1%} at step {self.step}: data not written by this target?")
                 m.pop("finite")
                 if self.step % cfg.train.log_every == 0 or self.step == total:
                     self.emit("step", step=self.step, total_steps=total, tokens=self.tokens, **m)
@@ -406,6 +512,8 @@ class Trainer:
                       wall_s=round(time.monotonic() - t_start, 3))
             self.log(f"run failed at step {self.step}: {type(exc).__name__}: {exc}")
             raise
+        finally:
+            watchdog.stop()
         stop.cancel()
         self.emit("run_end", status=status, step=self.step, tokens=self.tokens, wall_s=round(time.monotonic() - t_start, 3),
                   signal=stop.signum, last_checkpoint=(ckpt.read_latest(cfg.out_dir).name if ckpt.read_latest(cfg.out_dir) else None))

@@ -167,3 +167,51 @@ def test_two_process_gloo_ddp_keeps_ranks_identical(tmp_path, tiny_target, tiny_
     steps = events_of(out, "step")
     assert len(steps) == 6, "only rank 0 writes the stream"
     assert steps[0]["batch_tokens"] > 256, "tokens are summed over both ranks"
+
+
+def _broken_target(tmp_path, tiny_target, value: float) -> Path:
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / f"broken-target-{value}"
+    shutil.copytree(tiny_target, broken)
+    weights = load_file(str(broken / "model.safetensors"))
+    weights["model.layers.0.mlp.down_proj.weight"].fill_(value)
+    save_file(weights, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    return broken
+
+
+def test_nonfinite_target_features_warn_then_fail_loudly(tmp_path, tiny_target, tiny_data):
+    """A target with NaN weights (a corrupt shard) gives non-finite features: each such step is a
+    warning and a skipped update; past train.nan_tolerance the run fails loudly, no checkpoint."""
+    broken = _broken_target(tmp_path, tiny_target, float("nan"))
+    cfg = write_config(tmp_path / "run.yaml", broken, tiny_data, tmp_path / "run",
+                       train={**FAST, "max_steps": 30, "nan_tolerance": 2})
+    res = run_train(cfg)
+    out = tmp_path / "run"
+    assert res.returncode == 1, res.stderr[-2000:]
+    warns = events_of(out, "warning")
+    assert [w["kind"] for w in warns] == ["nonfinite_target"] * 3 + ["nonfinite_abort"]
+    assert "target's weights" in warns[-1]["message"]
+    end = events_of(out, "run_end")[-1]
+    assert end["status"] == "failed" and end["step"] == 3
+    assert events_of(out, "checkpoint") == [], "no checkpoint of a broken state"
+
+
+def test_target_agreement_is_measured_and_a_collapsed_target_is_loud(tmp_path, tiny_target, tiny_data):
+    """On data the target wrote, its own greedy choice matches nearly every supervised token. A target
+    whose activations overflow stays finite but its logits collapse (argmax 0 everywhere): unchecked,
+    the drafter 'learns' it with eal = block size. The agreement check makes that loud at step 1."""
+    good = cfg_file(tmp_path, tiny_target, tiny_data, name="good", max_steps=2, agreement_every=1)
+    assert run_train(good).returncode == 0
+    agree = [s["target_agreement"] for s in events_of(tmp_path / "good", "step")]
+    assert len(agree) == 2 and min(agree) > 0.95
+    assert not [w for w in events_of(tmp_path / "good", "warning") if w["kind"] == "low_target_agreement"]
+
+    broken = _broken_target(tmp_path, tiny_target, 3.0e38)
+    cfg = write_config(tmp_path / "bad.yaml", broken, tiny_data, tmp_path / "bad", train={**FAST, "max_steps": 3})
+    run_train(cfg)
+    warns = [w for w in events_of(tmp_path / "bad", "warning") if w["kind"] == "low_target_agreement"]
+    assert len(warns) == 1 and warns[0]["step"] == 1 and warns[0]["target_agreement"] < 0.1
+    assert "dflash regenerate" in warns[0]["message"]

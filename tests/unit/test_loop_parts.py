@@ -1,0 +1,51 @@
+"""Loop components on their own: the stall watchdog, the lr schedule, the drafter's frozen parts."""
+
+import time
+
+import torch
+
+from trainer.config import load_config
+from trainer.loop import StallWatchdog, lr_lambda
+
+
+def test_stall_watchdog_warns_once_per_stall_and_rearms():
+    seen = []
+    wd = StallWatchdog(lambda step, waited, thr: seen.append((step, waited, thr)), factor=5, min_s=0.05, poll_s=0.01)
+    wd.start()
+    for step in range(1, 6):  # steady steps of ~10 ms
+        time.sleep(0.01)
+        wd.step_done(step)
+    time.sleep(0.3)  # step 6 hangs: > max(0.05, 5 x median)
+    assert len(seen) == 1 and seen[0][0] == 6 and seen[0][1] > seen[0][2]
+    wd.step_done(6)
+    time.sleep(0.02)
+    wd.step_done(7)
+    assert len(seen) == 1, "a normal step after the stall does not warn again"
+    time.sleep(0.3)
+    wd.stop()
+    assert len(seen) == 2 and seen[1][0] == 8
+
+
+def test_lr_schedule_warmup_then_cosine_to_floor(make_config):
+    cfg = load_config(make_config(train={"max_steps": 100, "warmup_steps": 10, "min_lr_ratio": 0.1}))
+    f = lr_lambda(cfg)
+    assert f(0) == 0.1 and f(9) == 1.0  # linear warmup over 10 steps
+    assert abs(f(10) - 1.0) < 1e-9 and f(55) < 1.0
+    assert abs(f(100) - 0.1) < 1e-9  # cosine ends at the floor
+
+
+def test_drafter_takes_the_targets_embedding_head_and_final_norm(make_config, tiny_target):
+    from safetensors.torch import load_file
+
+    from trainer.drafter import build_drafter
+
+    cfg = load_config(make_config())
+    d = build_drafter(cfg, torch.device("cpu"))
+    target = load_file(str(tiny_target / "model.safetensors"))
+    assert torch.equal(d.embed_tokens.weight, target["model.embed_tokens.weight"])
+    assert torch.equal(d.verifier_lm_head.weight, target["lm_head.weight"])
+    assert torch.equal(d.verifier_norm.weight, target["model.norm.weight"])
+    frozen = {n for n, p in d.named_parameters() if not p.requires_grad}
+    assert {"embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight"} <= frozen
+    assert d.fc.in_features == 2 * 64, "fc wired to every configured aux layer"
+    assert d.config.transformer_layer_config._attn_implementation == "sdpa"
