@@ -108,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
 
     # --- verbs of issue #3 (eval, export, regenerate): add below this line
+    from trainer.eval.cli import add_verbs as add_issue3_verbs
+
+    add_issue3_verbs(sub)
     # --- verbs of issue #4 (monitor, status): add below this line
     from trainer.monitor.verbs import add_verbs as add_monitor_verbs  # argparse only: stays light
 

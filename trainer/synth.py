@@ -1,6 +1,6 @@
 """Small target-generated datasets: prompts -> the target's own greedy continuation, loss mask over
-the continuation only. Used by the tests and the embedded demo; the large, resumable, chat-template
-aware path is `dflash regenerate` (issue #3). Heavy side."""
+the continuation only. Used by the tests and the embedded demo. Both helpers go through the one
+generation path of `dflash regenerate` (trainer/regenerate.py). Heavy side."""
 
 from __future__ import annotations
 
@@ -22,44 +22,19 @@ def greedy_dataset(
 
     `empty_fraction` > 0 replaces that share of responses by an empty answer (only the first
     response token supervised): the seeds' failure mode, for testing the data gate."""
-    import datasets
-    import torch
-    from transformers import AutoModelForCausalLM
+    from trainer.regenerate import TransformersBackend, plan_batches, respond, save_dataset
 
-    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32)
-    model.eval()
+    backend = TransformersBackend(Path(target_dir), stop_ids=[], device="cpu", pad_id=0)  # fixed length
     rng = np.random.default_rng(seed)
-    rows_ids, rows_mask = [], []
-    by_len: dict[int, list[int]] = {}
-    for i, p in enumerate(prompts):
-        by_len.setdefault(len(p), []).append(i)
-    out: dict[int, tuple[list[int], list[int]]] = {}
-    with torch.no_grad():
-        for plen, idxs in by_len.items():
-            for s in range(0, len(idxs), batch_size):
-                chunk = idxs[s : s + batch_size]
-                inp = torch.tensor([prompts[i] for i in chunk], dtype=torch.long)
-                gen = model.generate(
-                    inp,
-                    attention_mask=torch.ones_like(inp),
-                    max_new_tokens=new_tokens,
-                    min_new_tokens=new_tokens,
-                    do_sample=False,
-                    pad_token_id=0,
-                )
-                for row, i in zip(gen.tolist(), chunk):
-                    out[i] = (row, [0] * plen + [1] * (len(row) - plen))
-    for i in range(len(prompts)):
-        ids, mask = out[i]
+    rows: list[dict] = [{}] * len(prompts)
+    for idx in plan_batches(prompts, batch_size):
+        for i, row in zip(idx, respond(backend, [prompts[i] for i in idx], new_tokens, set())):
+            rows[i] = row
+    for i, row in enumerate(rows):
         if empty_fraction and rng.random() < empty_fraction:
             plen = len(prompts[i])
-            ids, mask = ids[: plen + 1], [0] * plen + [1]
-        rows_ids.append(ids)
-        rows_mask.append(mask)
-    ds = datasets.Dataset.from_dict({"input_ids": rows_ids, "loss_mask": rows_mask})
-    out_dir = Path(out_dir)
-    ds.save_to_disk(str(out_dir))
-    return out_dir
+            rows[i] = {"input_ids": row["input_ids"][: plen + 1], "loss_mask": [0] * plen + [1]}
+    return save_dataset(rows, Path(out_dir))
 
 
 def tiny_target(out_dir: Path, num_layers: int = 4, hidden: int = 64, vocab: int = 512, seed: int = 0) -> Path:
@@ -121,37 +96,15 @@ def stdlib_docstrings(limit: int, seed: int = 0) -> list[str]:
 
 
 def chat_dataset(target_dir: Path, questions: list[str], new_tokens: int, out_dir: Path, batch_size: int = 16) -> Path:
-    """The target answers each question (chat template, greedy, left-padded batches); the loss mask
-    covers the response up to and including the end-of-turn token; nothing after it is kept."""
-    import datasets
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """The target answers each question (chat template, greedy, left-padded batches) via
+    `dflash regenerate`'s code: loss mask over the response up to and including the end-of-turn
+    token, nothing after it; dflash_data.json records the template used."""
+    import tempfile
 
-    tok = AutoTokenizer.from_pretrained(str(target_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
-    eos = tok.eos_token_id
-    stop_ids = {eos} | ({tok.convert_tokens_to_ids("<|im_end|>")} - {None, tok.unk_token_id})
-    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
-               for q in questions]
-    prompts = [p["input_ids"] if isinstance(p, dict) or hasattr(p, "keys") else p for p in prompts]
-    pad = tok.pad_token_id if tok.pad_token_id is not None else eos
-    rows_ids, rows_mask = [], []
-    with torch.no_grad():
-        for s in range(0, len(prompts), batch_size):
-            chunk = prompts[s : s + batch_size]
-            width = max(len(p) for p in chunk)
-            inp = torch.tensor([[pad] * (width - len(p)) + list(p) for p in chunk])
-            att = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
-            gen = model.generate(inp, attention_mask=att, max_new_tokens=new_tokens, do_sample=False,
-                                 pad_token_id=pad, eos_token_id=sorted(stop_ids))
-            for p, row in zip(chunk, gen[:, width:].tolist()):
-                resp = []
-                for t in row:  # explicit stop rule: keep the end-of-turn token, drop what follows
-                    resp.append(t)
-                    if t in stop_ids:
-                        break
-                rows_ids.append(list(p) + resp)
-                rows_mask.append([0] * len(p) + [1] * len(resp))
-    ds = datasets.Dataset.from_dict({"input_ids": rows_ids, "loss_mask": rows_mask})
-    ds.save_to_disk(str(out_dir))
-    return Path(out_dir)
+    from trainer.eval.prompts import write_prompt_file
+    from trainer.regenerate import RegenOptions, regenerate
+
+    with tempfile.TemporaryDirectory(prefix="dflash-questions-") as tmp:
+        prompts = write_prompt_file(Path(tmp) / "questions.jsonl", [{"prompt": q} for q in questions])
+        return regenerate(RegenOptions(target=Path(target_dir), prompts=prompts, out=Path(out_dir),
+                                       max_new_tokens=new_tokens, batch_size=batch_size, device="cpu"))

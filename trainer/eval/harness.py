@@ -1,0 +1,172 @@
+"""The cached speculative-decoding loop `dflash eval` runs (z-lab's procedure, greedy):
+
+1. prefill the target on the prompt: its greedy token after the prompt is the first anchor, and its
+   aux-layer features of the prompt are the drafter's first context;
+2. each round, the drafter runs one block `[anchor, MASK x (B-1)]` at positions a..a+B-1 against the
+   features of every committed position before a (new ones appended to its KV cache); the argmax of
+   slots 1..B-1 are the draft tokens;
+3. the target verifies `[anchor, drafts]` in one forward on its KV cache; `accepted` = the length of
+   the prefix of drafts equal to the target's own greedy tokens; the accepted drafts and the
+   target's bonus token are committed (accepted + 1 tokens); both caches are cropped to the
+   committed context and the verify forward's features of the newly committed positions become
+   context;
+4. until max_new_tokens are committed or a stop token is.
+
+Lossless by construction: every committed token is the target's greedy token at its position.
+tau = mean(accepted + 1) over rounds. Full-attention draft layers see the whole context without a
+mask (the block is bidirectional, no other block exists); sliding-window layers get a mask limiting
+the context to the last `window` positions before the anchor and, unless the config says
+`sliding_window_non_causal`, causal attention inside the block (speculators' training mask).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from trainer.eval.models import HookedTarget, crop_cache
+
+
+@dataclass
+class PromptResult:
+    prompt_tokens: int
+    tokens: list[int]  # committed new tokens (truncated at max_new_tokens / after a stop token)
+    accepted: list[int] = field(default_factory=list)  # accepted drafts per round (0..B-1)
+    wall_s: float = 0.0
+    stopped: str = "length"  # length | stop_token
+
+    @property
+    def rounds(self) -> int:
+        return len(self.accepted)
+
+    @property
+    def tau(self) -> float | None:
+        return (sum(self.accepted) + len(self.accepted)) / len(self.accepted) if self.accepted else None
+
+
+def draft_to_target_ids(drafter, ids: torch.Tensor) -> torch.Tensor:
+    """Map draft-vocabulary argmaxes to target ids (identity for a full-vocabulary drafter)."""
+    if getattr(drafter, "use_draft_vocab", False):
+        return ids + drafter.d2t[ids]
+    return ids
+
+
+def sliding_mask(drafter, layer_idx: int, ctx_len: int, block: int, anchor_pos: int, device) -> torch.Tensor | None:
+    """The boolean attention mask [1, 1, B, ctx_len + B] of draft layer `layer_idx` for a block at
+    `anchor_pos` whose context holds positions 0..ctx_len-1 (= 0..anchor_pos-1); None for a
+    full-attention layer."""
+    if layer_idx not in drafter.sliding_window_indices:
+        return None
+    window = int(drafter.sliding_window)
+    pos = torch.arange(ctx_len, device=device)
+    ctx_ok = (pos >= anchor_pos - window) & (pos < anchor_pos)
+    mask = torch.zeros(block, ctx_len + block, dtype=torch.bool, device=device)
+    mask[:, :ctx_len] = ctx_ok
+    if drafter.sliding_window_non_causal:
+        mask[:, ctx_len:] = True
+    else:
+        mask[:, ctx_len:] = torch.ones(block, block, dtype=torch.bool, device=device).tril()
+    return mask[None, None]
+
+
+class CachedDrafter:
+    """The drafter with a KV cache over its context (the projected target features)."""
+
+    def __init__(self, drafter, block_size: int):
+        from transformers import DynamicCache
+
+        self.m = drafter
+        self.block = block_size
+        self.cache = DynamicCache()  # plain full layers: sliding windows are applied by the mask
+        self.ctx_len = 0
+
+    @torch.no_grad()
+    def block_logits(self, new_feats: torch.Tensor, anchor_token: int, anchor_pos: int) -> torch.Tensor:
+        """Append `new_feats` (positions ctx_len..anchor_pos-1) to the context, run the block at
+        `anchor_pos` and return the logits of slots 1..B-1 ([B-1, V]); the block leaves the cache."""
+        m, B, dev = self.m, self.block, new_feats.device
+        n_new = new_feats.shape[1]
+        if self.ctx_len + n_new != anchor_pos:
+            raise RuntimeError(f"drafter context {self.ctx_len}+{n_new} does not end before anchor {anchor_pos}")
+        target_hidden = m.hidden_norm(m.fc(new_feats))
+        block_ids = torch.full((1, B), m.mask_token_id, dtype=torch.long, device=dev)
+        block_ids[0, 0] = anchor_token
+        noise = m.embed_tokens(block_ids)
+        positions = torch.arange(self.ctx_len, anchor_pos + B, device=dev).unsqueeze(0)
+        pos_emb = m.rotary_emb(noise, positions)
+        for i, layer in enumerate(m.layers):
+            mask = sliding_mask(m, i, anchor_pos, B, anchor_pos, dev)
+            noise = layer(
+                hidden_states=noise, target_hidden=target_hidden, attention_mask=mask, position_ids=positions,
+                past_key_value=self.cache, use_cache=True, position_embeddings=pos_emb,
+            )
+        self.ctx_len = anchor_pos
+        crop_cache(self.cache, self.ctx_len)  # keep the context, drop the block
+        return m.lm_head(m.norm(noise[0, 1:]))
+
+    def propose(self, new_feats: torch.Tensor, anchor_token: int, anchor_pos: int) -> list[int]:
+        """The B-1 draft tokens of the block at `anchor_pos` (see block_logits)."""
+        logits = self.block_logits(new_feats, anchor_token, anchor_pos)
+        return draft_to_target_ids(self.m, logits.argmax(-1)).tolist()
+
+
+def _finish(tokens: list[int], max_new: int, stop_ids: set[int]) -> tuple[list[int], str]:
+    out = tokens[:max_new]
+    for i, t in enumerate(out):
+        if t in stop_ids:
+            return out[: i + 1], "stop_token"
+    return out, "length"
+
+
+def _done(tokens: list[int], max_new: int, stop_ids: set[int]) -> bool:
+    return len(tokens) >= max_new or any(t in stop_ids for t in tokens)
+
+
+@torch.no_grad()
+def speculate(target: HookedTarget, drafter, prompt: list[int], max_new: int, block_size: int,
+              stop_ids: set[int] = frozenset()) -> PromptResult:
+    """One prompt through the cached loop."""
+    t0 = time.perf_counter()
+    dev = target.device
+    ids = torch.tensor([prompt], dtype=torch.long, device=dev)
+    greedy, feats, tcache = target.forward(ids)
+    tokens = [int(greedy[-1])]
+    pending = feats  # features of positions not yet in the drafter's context
+    draft = CachedDrafter(drafter, block_size)
+    accepted: list[int] = []
+    n = len(prompt)  # position of the current anchor
+    while not _done(tokens, max_new, stop_ids):
+        anchor = tokens[-1]
+        drafts = draft.propose(pending.to(dev), anchor, n)
+        block = torch.tensor([[anchor, *drafts]], dtype=torch.long, device=dev)
+        greedy, feats, tcache = target.forward(block, tcache)
+        pred = greedy.tolist()
+        acc = 0
+        while acc < block_size - 1 and drafts[acc] == pred[acc]:
+            acc += 1
+        accepted.append(acc)
+        tokens.extend(drafts[:acc] + [pred[acc]])
+        pending = feats[:, : acc + 1]  # anchor + accepted drafts: positions n..n+acc
+        n += acc + 1
+        crop_cache(tcache, n)
+    out, why = _finish(tokens, max_new, stop_ids)
+    return PromptResult(len(prompt), out, accepted, time.perf_counter() - t0, why)
+
+
+@torch.no_grad()
+def target_greedy(target: HookedTarget, prompt: list[int], max_new: int,
+                  stop_ids: set[int] = frozenset()) -> tuple[list[int], float]:
+    """The target's own greedy decoding, one token per forward on its KV cache: the lossless check's
+    ground truth and the speed baseline. Returns (tokens, seconds)."""
+    t0 = time.perf_counter()
+    ids = torch.tensor([prompt], dtype=torch.long, device=target.device)
+    out = target.model(input_ids=ids, use_cache=True)
+    tokens = [int(out.logits[0, -1].argmax())]
+    while not _done(tokens, max_new, stop_ids):
+        nxt = torch.tensor([[tokens[-1]]], dtype=torch.long, device=target.device)
+        out = target.model(input_ids=nxt, past_key_values=out.past_key_values, use_cache=True)
+        tokens.append(int(out.logits[0, -1].argmax()))
+    tokens, _ = _finish(tokens, max_new, stop_ids)
+    return tokens, time.perf_counter() - t0

@@ -1,0 +1,152 @@
+"""The two models of an evaluation, loaded for inference (heavy side).
+
+- `HookedTarget`: the target as a causal LM (logits to verify with, its own KV cache) with forward
+  hooks at the aux layers, so every verify forward also yields the drafter's context features.
+  Aux id k follows speculators' convention (trainer.sources.hooked): the output of decoder layer
+  k-1, id 0 the embeddings.
+- `load_drafter`: a speculators DFlash checkpoint (or a z-lab/SpecForge-format one, converted by
+  speculators' converter) with the embedding, heads and final norm taken from `--target`, and sdpa
+  attention (a reloaded drafter comes back with flex attention, which the harness does not use).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import tempfile
+from pathlib import Path
+
+import torch
+
+from trainer.sources.hooked import _base_model, resolve_dtype
+
+
+class ModelError(ValueError):
+    """A drafter/target pair that cannot be evaluated; the message says what to change."""
+
+
+class HookedTarget:
+    def __init__(self, target_dir: Path, aux_ids: list[int], device: torch.device, dtype: str = "auto"):
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        self.device = torch.device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            str(target_dir), dtype=self.dtype, attn_implementation="sdpa"
+        ).to(self.device)
+        self.model.eval().requires_grad_(False)
+        self.base = _base_model(self.model)
+        self.num_layers = len(self.base.layers)
+        self.aux_ids = list(aux_ids)
+        bad = [k for k in self.aux_ids if not 0 <= k <= self.num_layers]
+        if bad:
+            raise ModelError(f"drafter aux ids {bad} are outside the target's depth [0, {self.num_layers}]")
+        self._store: dict[int, torch.Tensor] = {}
+        for k in sorted(set(self.aux_ids)):
+            module = self.base.embed_tokens if k == 0 else self.base.layers[k - 1]
+            module.register_forward_hook(self._hook(k))
+
+    def _hook(self, key: int):
+        def hook(_module, _args, output):
+            self._store[key] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, cache=None):
+        """One forward over `input_ids` [1, n] continuing `cache` (None: a fresh one).
+        Returns (greedy next token per position [n], aux features [1, n, n_aux*H] fp32, cache)."""
+        self._store.clear()
+        out = self.model(input_ids=input_ids.to(self.device), past_key_values=cache, use_cache=True)
+        feats = torch.cat([self._store[k] for k in self.aux_ids], dim=-1).float()
+        self._store.clear()
+        return out.logits[0].argmax(-1), feats, out.past_key_values
+
+
+def crop_cache(cache, length: int) -> None:
+    """Drop everything past the first `length` positions of a transformers cache."""
+    extra = cache.get_seq_length() - length
+    if extra > 0:
+        cache.crop(-extra)
+
+
+def is_speculators_folder(folder: Path) -> bool:
+    cfg = Path(folder) / "config.json"
+    return cfg.is_file() and "speculators_model_type" in json.loads(cfg.read_text())
+
+
+def resolve_drafter_dir(path: Path) -> Path:
+    """A checkpoint folder, an export, or a run's out_dir (then its `latest` checkpoint)."""
+    from trainer.checkpoint import read_latest
+
+    path = Path(path)
+    if (path / "config.json").is_file():
+        return path
+    latest = read_latest(path)
+    if latest is not None:
+        return latest
+    raise ModelError(
+        f"--drafter {path}: no config.json there and no checkpoints/latest (give a checkpoint folder, "
+        "an export of `dflash export`, or a run's out_dir)"
+    )
+
+
+def speculators_folder(drafter: Path, target_dir: Path, convert_dir: Path | None = None) -> Path:
+    """The drafter as a speculators checkpoint folder: as given, or converted from a z-lab/SpecForge
+    format by speculators' converter (which maps their layer ids, id i = output of decoder layer i,
+    to speculators' id i+1) into `convert_dir` (default: a temp folder)."""
+    from speculators.convert.entrypoints import maybe_convert_external_checkpoint
+
+    folder = resolve_drafter_dir(drafter)
+    if is_speculators_folder(folder):
+        return folder
+    out = Path(convert_dir or tempfile.mkdtemp(prefix="dflash-converted-"))
+    try:
+        return Path(maybe_convert_external_checkpoint(str(folder), verifier=str(target_dir), output_path=str(out)))
+    except NotImplementedError as exc:
+        raise ModelError(f"--drafter {folder}: neither a speculators checkpoint nor a known format ({exc})") from None
+
+
+def aux_ids_of(folder: Path) -> list[int]:
+    return list(json.loads((Path(folder) / "config.json").read_text())["aux_hidden_state_layer_ids"])
+
+
+def load_drafter(folder: Path, target_dir: Path, device: torch.device):
+    """The drafter of a speculators folder (see speculators_folder) for inference: fp32 on
+    `device`, sdpa attention, embedding/heads/final norm read from `target_dir`."""
+    from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
+
+    logging.getLogger("speculators").setLevel(logging.WARNING)
+    folder = Path(folder)
+    config = DFlashSpeculatorConfig.from_pretrained(str(folder))
+    _check_pair(config, folder, Path(target_dir))
+    config.speculators_config.verifier.name_or_path = str(target_dir)
+    config.transformer_layer_config._attn_implementation = "sdpa"
+    model = DFlashDraftModel.from_pretrained(str(folder), config=config)
+    model._attn_impl = "sdpa"
+    from torch.nn.attention.flex_attention import create_mask
+
+    model._create_mask_fn = create_mask
+    for layer in model.layers:
+        layer.self_attn.config._attn_implementation = "sdpa"
+    return model.float().to(device).eval().requires_grad_(False)
+
+
+def _check_pair(config, folder: Path, target_dir: Path) -> None:
+    tcfg_path = target_dir / "config.json"
+    if not tcfg_path.is_file():
+        raise ModelError(f"--target {target_dir}: no config.json (a transformers model folder is needed)")
+    tcfg = json.loads(tcfg_path.read_text())
+    tcfg = tcfg.get("text_config", tcfg)
+    tl = config.transformer_layer_config
+    if int(tl.hidden_size) != int(tcfg["hidden_size"]):
+        raise ModelError(
+            f"{folder}: drafter hidden size {tl.hidden_size} != target {target_dir} hidden size {tcfg['hidden_size']}: "
+            "this drafter was trained for another target"
+        )
+    if int(tl.vocab_size) != int(tcfg["vocab_size"]):
+        raise ModelError(f"{folder}: drafter vocabulary {tl.vocab_size} != target vocabulary {tcfg['vocab_size']}")
+    if config.mask_token_id is None:
+        raise ModelError(f"{folder}: config.json has no mask_token_id")

@@ -1,0 +1,166 @@
+"""Prompt files for `dflash eval` and `dflash regenerate`: JSON lines, one prompt each, as
+`{"prompt": "..."}` (a user turn), `{"messages": [{"role": ..., "content": ...}, ...]}` or
+`{"input_ids": [...]}` (already tokenized; tiny test targets have no tokenizer).
+
+Text prompts go through the target's chat template (`--chat-template`, the default when the
+tokenizer has one) with thinking on or off; the settings used are recorded (`TemplateSettings`)
+so a dataset and an evaluation can be compared. Heavy only when a tokenizer is needed."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+
+class PromptError(ValueError):
+    """A prompt file that cannot be used; the message names the file and line."""
+
+
+@dataclass
+class PromptLine:
+    index: int  # 0-based line number among non-empty lines
+    kind: str  # prompt | messages | input_ids
+    value: Any
+
+
+@dataclass
+class TemplateSettings:
+    """How text became tokens: recorded in datasets and reports, compared between them."""
+
+    chat_template: bool  # the tokenizer's chat template was applied
+    thinking: str | None  # "on" / "off" (enable_thinking passed to the template), None: not set
+    template_sha256: str | None  # of the tokenizer's chat template text, when applied
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def differences(self, other: dict[str, Any] | None) -> list[str]:
+        """Human lines for each setting that differs from `other` (a recorded to_dict())."""
+        if not other:
+            return []
+        out = []
+        for key, mine in self.to_dict().items():
+            theirs = other.get(key)
+            if key in other and theirs != mine:
+                out.append(f"{key}: data {theirs!r}, here {mine!r}")
+        return out
+
+
+def read_prompt_file(path: Path, limit: int | None = None) -> list[PromptLine]:
+    path = Path(path)
+    if not path.is_file():
+        raise PromptError(f"prompt file {path} does not exist")
+    out: list[PromptLine] = []
+    for lineno, raw in enumerate(path.read_text().splitlines(), 1):
+        if not raw.strip():
+            continue
+        try:
+            obj = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise PromptError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+        kinds = [k for k in ("prompt", "messages", "input_ids") if isinstance(obj, dict) and k in obj]
+        if len(kinds) != 1:
+            raise PromptError(
+                f"{path}:{lineno}: each line needs exactly one of \"prompt\", \"messages\" or \"input_ids\""
+            )
+        kind, value = kinds[0], obj[kinds[0]]
+        _check(path, lineno, kind, value)
+        out.append(PromptLine(len(out), kind, value))
+        if limit is not None and len(out) >= limit:
+            break
+    if not out:
+        raise PromptError(f"prompt file {path} has no prompts")
+    return out
+
+
+def _check(path: Path, lineno: int, kind: str, value: Any) -> None:
+    where = f"{path}:{lineno}"
+    if kind == "prompt" and not (isinstance(value, str) and value.strip()):
+        raise PromptError(f"{where}: \"prompt\" must be a non-empty string")
+    if kind == "input_ids" and not (
+        isinstance(value, list) and value and all(isinstance(t, int) and t >= 0 for t in value)
+    ):
+        raise PromptError(f"{where}: \"input_ids\" must be a non-empty list of non-negative ints")
+    if kind == "messages":
+        ok = isinstance(value, list) and value and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in value
+        )
+        if not ok:
+            raise PromptError(f"{where}: \"messages\" must be a non-empty list of {{role, content}} objects")
+
+
+def write_prompt_file(path: Path, rows: list[dict[str, Any]]) -> Path:
+    from trainer.fsutil import atomic_write_text
+
+    atomic_write_text(Path(path), "".join(json.dumps(r) + "\n" for r in rows))
+    return Path(path)
+
+
+def load_tokenizer(target_dir: Path):
+    """The target's tokenizer, or None when the folder has none (tiny test targets)."""
+    folder = Path(target_dir)
+    if not any((folder / n).exists() for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+def resolve_settings(tokenizer, chat_template: bool | None, thinking: str | None) -> TemplateSettings:
+    """chat_template None: apply the tokenizer's template when it has one."""
+    template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
+    if chat_template is None:
+        chat_template = template is not None
+    if chat_template and template is None:
+        raise PromptError("--chat-template: the target's tokenizer has no chat template (use --no-chat-template)")
+    if thinking is not None and not chat_template:
+        raise PromptError("--thinking needs the chat template (it is passed to it as enable_thinking)")
+    digest = hashlib.sha256(template.encode()).hexdigest() if chat_template else None
+    return TemplateSettings(chat_template=bool(chat_template), thinking=thinking, template_sha256=digest)
+
+
+def encode(lines: list[PromptLine], tokenizer, settings: TemplateSettings) -> list[list[int]]:
+    """Token ids of every prompt (input_ids lines pass through unchanged)."""
+    out = []
+    for line in lines:
+        if line.kind == "input_ids":
+            out.append(list(line.value))
+            continue
+        if tokenizer is None:
+            raise PromptError(
+                f"prompt {line.index + 1} is text but the target has no tokenizer: give \"input_ids\" lines"
+            )
+        if settings.chat_template:
+            messages = line.value if line.kind == "messages" else [{"role": "user", "content": line.value}]
+            kwargs = {} if settings.thinking is None else {"enable_thinking": settings.thinking == "on"}
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
+            if hasattr(ids, "keys"):
+                ids = ids["input_ids"]
+            out.append([int(t) for t in ids])
+        else:
+            text = line.value if line.kind == "prompt" else "\n".join(m["content"] for m in line.value)
+            out.append([int(t) for t in tokenizer(text)["input_ids"]])
+    return out
+
+
+def stop_token_ids(target_dir: Path, tokenizer) -> list[int]:
+    """Token ids that end a response: the config's / generation config's eos, and the chat
+    template's end-of-turn token when the tokenizer has one."""
+    ids: set[int] = set()
+    for name in ("generation_config.json", "config.json"):
+        f = Path(target_dir) / name
+        if f.is_file():
+            eos = json.loads(f.read_text()).get("eos_token_id")
+            ids.update(eos if isinstance(eos, list) else ([eos] if eos is not None else []))
+    if tokenizer is not None:
+        if tokenizer.eos_token_id is not None:
+            ids.add(int(tokenizer.eos_token_id))
+        for tok in ("<|im_end|>", "<|eot_id|>", "<|end|>"):
+            tid = tokenizer.convert_tokens_to_ids(tok)
+            if isinstance(tid, int) and tid != tokenizer.unk_token_id:
+                ids.add(tid)
+    return sorted(int(i) for i in ids)

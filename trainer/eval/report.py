@@ -1,0 +1,199 @@
+"""The evaluation report: report.json (the contract), a markdown summary and a PNG beside it, and
+the side-by-side comparison of several drafters. Field meanings: docs/evaluate.md.
+matplotlib (Agg) is imported only to draw."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from trainer.eval.harness import PromptResult
+from trainer.fsutil import atomic_write_bytes, atomic_write_text
+
+REPORT_SCHEMA_VERSION = 1
+
+
+def aggregate(results: list[PromptResult], block_size: int) -> dict[str, Any]:
+    """tau (pooled over all rounds), per-position acceptance (slot k accepted when accepted >= k),
+    the histogram of accepted lengths, throughput."""
+    accepted = [a for r in results for a in r.accepted]
+    rounds = len(accepted)
+    hist = [0] * block_size
+    for a in accepted:
+        hist[a] += 1
+    new_tokens = sum(len(r.tokens) for r in results)
+    decode_s = sum(r.wall_s for r in results)
+    return {
+        "tau": (sum(accepted) + rounds) / rounds if rounds else None,
+        "rounds": rounds,
+        "per_position_acceptance": [
+            (sum(1 for a in accepted if a >= k) / rounds if rounds else None) for k in range(1, block_size)
+        ],
+        "acceptance_histogram": {str(a): hist[a] for a in range(block_size)},
+        "new_tokens": new_tokens,
+        "decode_s": round(decode_s, 4),
+        "tokens_per_s": new_tokens / decode_s if decode_s > 0 else None,
+    }
+
+
+def per_prompt(results: list[PromptResult], lossless: dict[int, bool]) -> list[dict[str, Any]]:
+    return [
+        {
+            "index": i,
+            "prompt_tokens": r.prompt_tokens,
+            "new_tokens": len(r.tokens),
+            "rounds": r.rounds,
+            "tau": r.tau,
+            "accepted": r.accepted,
+            "stopped": r.stopped,
+            "wall_s": round(r.wall_s, 4),
+            "lossless": lossless.get(i),
+            "tokens": r.tokens,
+        }
+        for i, r in enumerate(results)
+    ]
+
+
+def _fmt(x: Any, nd: int = 3) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return f"{x:.{nd}f}"
+    return str(x)
+
+
+def render_markdown(rep: dict[str, Any], png_name: str | None) -> str:
+    ll = rep["lossless"]
+    verdict = "not checked" if not ll["checked"] else ("ok" if ll["ok"] else "MISMATCH")
+    lines = [
+        f"# Drafter evaluation: {rep['label']}",
+        "",
+        f"- drafter: `{rep['drafter']}`",
+        f"- target: `{rep['target']}`",
+        f"- prompts: `{rep['prompts']}` ({rep['num_prompts']} prompts, up to {rep['max_new_tokens']} new tokens)",
+        f"- loop: {rep['mode']}, block size {rep['block_size']}, device {rep['device']}",
+        "",
+        "| tau | rounds | new tokens | tokens/s | target alone tokens/s | wall s | lossless |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+        (f"| **{_fmt(rep['tau'])}** | {rep['rounds']} | {rep['new_tokens']} | {_fmt(rep['tokens_per_s'], 1)} | "
+         f"{_fmt(ll.get('target_tokens_per_s'), 1)} | {_fmt(rep['wall_s'], 1)} | {verdict} ({ll['matched']}/{ll['checked']}) |"),
+        "",
+    ]
+    for w in rep["warnings"]:
+        lines.append(f"> **warning**: {w}")
+    if rep["warnings"]:
+        lines.append("")
+    lines += ["## Acceptance by position", "", "| slot | " + " | ".join(str(k) for k in range(1, rep["block_size"])) + " |",
+              "| --- |" + " --- |" * (rep["block_size"] - 1),
+              "| accepted | " + " | ".join(_fmt(p) for p in rep["per_position_acceptance"]) + " |", ""]
+    hist = rep["acceptance_histogram"]
+    lines += ["## Accepted drafts per round", "", "| accepted | " + " | ".join(hist) + " |",
+              "| --- |" + " --- |" * len(hist), "| rounds | " + " | ".join(str(v) for v in hist.values()) + " |", ""]
+    if png_name:
+        lines += [f"![acceptance]({png_name})", ""]
+    lines += ["## Per prompt", "", "| # | prompt tokens | new tokens | rounds | tau | stopped | lossless |",
+              "| --- | --- | --- | --- | --- | --- | --- |"]
+    for p in rep["per_prompt"][:200]:
+        mark = {True: "ok", False: "MISMATCH", None: "-"}[p["lossless"]]
+        lines.append(f"| {p['index']} | {p['prompt_tokens']} | {p['new_tokens']} | {p['rounds']} | {_fmt(p['tau'])} | "
+                     f"{p['stopped']} | {mark} |")
+    return "\n".join(lines) + "\n"
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save_png(fig, path: Path) -> None:
+    import io
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    atomic_write_bytes(path, buf.getvalue())
+
+
+def plot_report(rep: dict[str, Any], path: Path) -> None:
+    plt = _plt()
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 3.8))
+    slots = list(range(1, rep["block_size"]))
+    a1.bar(slots, [p or 0 for p in rep["per_position_acceptance"]], color="#3b7dd8")
+    a1.set(xlabel="draft slot k", ylabel="P(slot k accepted)", ylim=(0, 1), xticks=slots,
+           title=f"per-position acceptance (tau {_fmt(rep['tau'])})")
+    taus = [p["tau"] or 0 for p in rep["per_prompt"]]
+    a2.bar(range(len(taus)), taus, color="#e08a2c")
+    if rep["tau"]:
+        a2.axhline(rep["tau"], color="k", lw=1, ls="--", label=f"pooled tau {rep['tau']:.2f}")
+        a2.legend(loc="upper right")
+    a2.set(xlabel="prompt", ylabel="tau", ylim=(0, rep["block_size"]), title="tau per prompt")
+    fig.suptitle(rep["label"])
+    _save_png(fig, path)
+    plt.close(fig)
+
+
+def sidecars(out: Path) -> tuple[Path, Path]:
+    out = Path(out)
+    return out.with_suffix(".md"), out.with_suffix(".png")
+
+
+def write_report(rep: dict[str, Any], out: Path) -> list[Path]:
+    md, png = sidecars(out)
+    plot_report(rep, png)
+    atomic_write_text(md, render_markdown(rep, png.name))
+    atomic_write_text(Path(out), json.dumps(rep, indent=1))
+    return [Path(out), md, png]
+
+
+# ---------------------------------------------------------------- several drafters
+def comparison_rows(reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [
+        {"label": r["label"], "tau": r["tau"], "tokens_per_s": r["tokens_per_s"], "rounds": r["rounds"],
+         "per_position_acceptance": r["per_position_acceptance"], "lossless_ok": r["lossless"]["ok"]}
+        for r in reports
+    ]
+
+
+def render_table(reports: list[dict[str, Any]]) -> str:
+    """The side-by-side text table `dflash eval` prints for several drafters."""
+    B = max(r["block_size"] for r in reports)
+    width = max(8, *(len(r["label"]) for r in reports))
+    head = f"{'drafter':{width}}  {'tau':>6}  {'tok/s':>8}  " + " ".join(f"{'p' + str(k):>5}" for k in range(1, B))
+    out = [head, "-" * len(head)]
+    for r in reports:
+        pp = r["per_position_acceptance"] + [None] * (B - r["block_size"])
+        out.append(f"{r['label']:{width}}  {_fmt(r['tau']):>6}  {_fmt(r['tokens_per_s'], 1):>8}  "
+                   + " ".join(f"{_fmt(p, 2):>5}" for p in pp))
+    return "\n".join(out)
+
+
+def plot_comparison(reports: list[dict[str, Any]], path: Path) -> None:
+    plt = _plt()
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 3.8), gridspec_kw={"width_ratios": [2, 1]})
+    for r in reports:
+        slots = list(range(1, r["block_size"]))
+        a1.plot(slots, [p or 0 for p in r["per_position_acceptance"]], marker="o", label=r["label"])
+    a1.set(xlabel="draft slot k", ylabel="P(slot k accepted)", ylim=(0, 1), title="per-position acceptance")
+    a1.legend()
+    a2.bar([r["label"] for r in reports], [r["tau"] or 0 for r in reports], color="#3b7dd8")
+    a2.set(ylabel="tau", title="tau")
+    a2.tick_params(axis="x", rotation=20)
+    _save_png(fig, path)
+    plt.close(fig)
+
+
+def write_comparison(reports: list[dict[str, Any]], out: Path) -> list[Path]:
+    md, png = sidecars(out)
+    plot_comparison(reports, png)
+    text = ["# Drafter comparison", "", f"target `{reports[0]['target']}`, prompts `{reports[0]['prompts']}`", "",
+            "```", render_table(reports), "```", "", f"![comparison]({png.name})", ""]
+    for r in reports:
+        text += [f"- {r['label']}: `{r['drafter']}`"] + [f"  - warning: {w}" for w in r["warnings"]]
+    atomic_write_text(md, "\n".join(text) + "\n")
+    doc = {"schema_version": REPORT_SCHEMA_VERSION, "comparison": comparison_rows(reports), "reports": reports}
+    atomic_write_text(Path(out), json.dumps(doc, indent=1))
+    return [Path(out), md, png]

@@ -1,0 +1,223 @@
+"""`dflash eval` end to end: load the target once, evaluate each drafter on the prompts (cached
+harness, or the reference loop with --reference) with a progress bar, check losslessness against
+the target's own greedy decoding, warn when the chat template / thinking mode differ from the
+drafter's training data, write report.json + .md + .png (a comparison when several drafters)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer.eval import prompts as P
+from trainer.eval.report import (
+    REPORT_SCHEMA_VERSION,
+    _fmt,
+    aggregate,
+    per_prompt,
+    render_table,
+    write_comparison,
+    write_report,
+)
+
+
+@dataclass
+class EvalOptions:
+    drafters: list[Path]
+    target: Path
+    prompts: Path
+    out: Path
+    max_new_tokens: int = 128
+    block_size: int | None = None  # None: the drafter's
+    device: str = "auto"
+    chat_template: bool | None = None
+    thinking: str | None = None
+    limit: int | None = None
+    reference: bool = False
+    check_lossless: int = 4  # prompts checked against target greedy; -1: all, 0: none
+    ignore_eos: bool = False
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise P.PromptError("--device cuda: no CUDA device is visible")
+    return torch.device(name)
+
+
+def training_data_meta(drafter_folder: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """The template settings the drafter's training data was made with, and where they were found:
+    an export's copy, or the dataset (dflash_data.json) named by the run's run.yaml."""
+    from trainer.regenerate import read_data_meta
+
+    folder = Path(drafter_folder)
+    meta = read_data_meta(folder)
+    if meta is not None:
+        return meta, str(folder)
+    run_yaml = folder.parent.parent / "run.yaml"
+    if folder.parent.name == "checkpoints" and run_yaml.is_file():
+        import yaml
+
+        data_path = (yaml.safe_load(run_yaml.read_text()) or {}).get("data", {}).get("path")
+        if data_path:
+            meta = read_data_meta(Path(data_path))
+            if meta is not None:
+                return meta, str(data_path)
+    return None, None
+
+
+def _label(path: Path, taken: set[str]) -> str:
+    p = Path(path).resolve()
+    label = p.name
+    if label in taken or label.startswith("step-"):
+        label = f"{p.parent.parent.name}/{p.name}" if p.parent.name == "checkpoints" else f"{p.parent.name}/{p.name}"
+    while label in taken:
+        label += "'"
+    taken.add(label)
+    return label
+
+
+def evaluate_one(opts: EvalOptions, drafter_path: Path, target, token_prompts: list[list[int]], settings,
+                 stop_ids: set[int], device: torch.device, label: str) -> dict[str, Any]:
+    from tqdm import tqdm
+
+    from trainer.eval.harness import speculate, target_greedy
+    from trainer.eval.models import load_drafter
+    from trainer.eval.reference import ReferenceTarget, speculate_reference
+
+    t_start = time.perf_counter()
+    folder = drafter_path
+    drafter = load_drafter(folder, opts.target, device)
+    trained_block = int(drafter.config.block_size)
+    B = opts.block_size or trained_block
+    warnings: list[str] = []
+    if B < 2:
+        raise P.PromptError("--block-size must be at least 2 (an anchor and one draft)")
+    if B > trained_block:
+        warnings.append(f"block size {B} > the drafter's trained block size {trained_block}: slots past "
+                        f"{trained_block - 1} were never trained")
+    if list(drafter.target_layer_ids) != list(target.aux_ids):
+        raise RuntimeError(f"target hooked at {target.aux_ids}, drafter wired to {drafter.target_layer_ids}")
+    meta, where = training_data_meta(folder)
+    diffs = settings.differences(meta.get("template") if meta else None)
+    if diffs:
+        warnings.append(f"the drafter's training data ({where}) was made with other prompt settings: "
+                        + "; ".join(diffs) + " (train and serve with the same chat template and thinking mode)")
+    for w in warnings:
+        print(f"dflash eval: WARNING {w}", file=sys.stderr, flush=True)
+    ref_target = ReferenceTarget(target) if opts.reference else None
+    results = []
+    bar = tqdm(token_prompts, desc=label, unit="prompt", file=sys.stderr, dynamic_ncols=True)
+    acc_sum = rounds = 0
+    for prompt in bar:
+        if opts.reference:
+            r = speculate_reference(ref_target, drafter, prompt, opts.max_new_tokens, B, stop_ids)
+        else:
+            r = speculate(target, drafter, prompt, opts.max_new_tokens, B, stop_ids)
+        results.append(r)
+        acc_sum += sum(r.accepted) + r.rounds
+        rounds += r.rounds
+        bar.set_postfix(tau=f"{acc_sum / max(1, rounds):.3f}")
+    bar.close()
+    n_check = len(results) if opts.check_lossless < 0 else min(opts.check_lossless, len(results))
+    lossless: dict[int, bool] = {}
+    mismatches = []
+    greedy_tokens = greedy_s = 0.0
+    for i in range(n_check):
+        ref_tokens, secs = target_greedy(target, token_prompts[i], opts.max_new_tokens, stop_ids)
+        greedy_tokens += len(ref_tokens)
+        greedy_s += secs
+        lossless[i] = ref_tokens == results[i].tokens
+        if not lossless[i]:
+            first = next((j for j, (a, b) in enumerate(zip(ref_tokens, results[i].tokens)) if a != b),
+                         min(len(ref_tokens), len(results[i].tokens)))
+            mismatches.append({"prompt": i, "first_difference_at": first})
+    agg = aggregate(results, B)
+    target_tps = greedy_tokens / greedy_s if greedy_s > 0 else None
+    ll = {"checked": n_check, "matched": sum(lossless.values()), "ok": all(lossless.values()) if n_check else None,
+          "mismatches": mismatches, "target_tokens_per_s": target_tps}
+    if mismatches:
+        warnings.append(f"LOSSLESS CHECK FAILED on {len(mismatches)} of {n_check} prompts: committed tokens differ "
+                        "from the target's greedy decoding")
+    return {
+        "schema_version": REPORT_SCHEMA_VERSION,
+        "label": label,
+        "drafter": str(folder),
+        "target": str(opts.target),
+        "prompts": str(opts.prompts),
+        "num_prompts": len(token_prompts),
+        "mode": "reference" if opts.reference else "cached",
+        "device": str(device),
+        "block_size": B,
+        "trained_block_size": trained_block,
+        "max_new_tokens": opts.max_new_tokens,
+        "aux_layer_ids": list(drafter.target_layer_ids),
+        "stop_token_ids": sorted(stop_ids),
+        "template": settings.to_dict(),
+        "training_data_template": meta.get("template") if meta else None,
+        **agg,
+        "speedup_vs_target": (agg["tokens_per_s"] / target_tps) if (target_tps and agg["tokens_per_s"]) else None,
+        "lossless": ll,
+        "wall_s": round(time.perf_counter() - t_start, 3),
+        "warnings": warnings,
+        "per_prompt": per_prompt(results, lossless),
+    }
+
+
+def run_eval(opts: EvalOptions) -> int:
+    """Returns 0, or 1 when a lossless check failed (the report is written either way)."""
+    from trainer.eval.models import (
+        HookedTarget,
+        ModelError,
+        aux_ids_of,
+        resolve_drafter_dir,
+        speculators_folder,
+    )
+
+    if opts.max_new_tokens < 1:
+        raise P.PromptError("--max-new-tokens must be at least 1")
+    if opts.block_size is not None and opts.block_size < 2:
+        raise P.PromptError("--block-size must be at least 2 (an anchor and one draft)")
+    out = Path(opts.out)
+    if out.suffix != ".json":
+        raise P.PromptError(f"--out {out}: give a .json path (the .md and .png go beside it)")
+    lines = P.read_prompt_file(opts.prompts, opts.limit)
+    for d in opts.drafters:
+        resolve_drafter_dir(d)  # a clear error before any model loads
+    if not (Path(opts.target) / "config.json").is_file():
+        raise ModelError(f"--target {opts.target}: no config.json (a transformers model folder is needed)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    device = resolve_device(opts.device)
+    tok = P.load_tokenizer(opts.target)
+    settings = P.resolve_settings(tok, opts.chat_template, opts.thinking)
+    token_prompts = P.encode(lines, tok, settings)
+    stop_ids = set() if opts.ignore_eos else set(P.stop_token_ids(opts.target, tok))
+    folders = [speculators_folder(d, opts.target) for d in opts.drafters]
+    reports = []
+    taken: set[str] = set()
+    target = None
+    for given, folder in zip(opts.drafters, folders):
+        aux = aux_ids_of(folder)
+        if target is None or target.aux_ids != aux:
+            target = HookedTarget(opts.target, aux, device)
+        reports.append(evaluate_one(opts, folder, target, token_prompts, settings, stop_ids, device, _label(given, taken)))
+    if len(reports) == 1:
+        paths = write_report(reports[0], out)
+        r = reports[0]
+        print(f"tau {_fmt(r['tau'])} over {r['rounds']} rounds (block {r['block_size']}), "
+              f"{_fmt(r['tokens_per_s'], 1)} tokens/s; per position "
+              + " ".join(_fmt(p, 2) for p in r["per_position_acceptance"]))
+    else:
+        paths = write_comparison(reports, out)
+        print(render_table(reports))
+    print("wrote " + ", ".join(str(p) for p in paths))
+    failed = [r["label"] for r in reports if r["lossless"]["ok"] is False]
+    if failed:
+        print(f"dflash eval: lossless check FAILED for {failed}: see the report", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,117 @@
+"""`dflash export`: a checkpoint -> a weights-only speculators folder a server loads directly.
+
+The checkpoint's trainer state (optimizer moments, sampler, RNG) is left behind; config.json and
+model.safetensors are written by speculators' save_pretrained (trainable weights only; the
+embedding and heads come from the verifier at load time). The export is reloaded and must give
+bit-identical drafter logits on a probe before it appears under its final name. Beside the
+weights: dflash_export.json (provenance, sizes, the serve line) and dflash_data.json (the chat
+template / thinking mode of the training data, when known: `dflash eval` compares them).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer.fsutil import atomic_write_text, dir_size, sha256_file
+
+
+class ExportError(ValueError):
+    """A checkpoint that cannot be exported; the message says what to change."""
+
+
+def serve_command(verifier: str, model_dir: Path, block_size: int) -> str:
+    spec = json.dumps({"method": "dflash", "model": str(model_dir), "num_speculative_tokens": block_size - 1})
+    return f"vllm serve {verifier} --speculative-config '{spec}'"
+
+
+@torch.no_grad()
+def probe_logits(drafter, seed: int = 0, ctx: int = 12) -> torch.Tensor:
+    """Draft logits of one block on a fixed random context: the reload check's fingerprint."""
+    from trainer.eval.harness import CachedDrafter
+
+    g = torch.Generator().manual_seed(seed)
+    width = drafter.fc.in_features
+    feats = torch.randn(1, ctx, width, generator=g).to(next(drafter.parameters()).dtype)
+    anchor = int(torch.randint(0, drafter.embed_tokens.num_embeddings, (1,), generator=g))
+    return CachedDrafter(drafter, int(drafter.config.block_size)).block_logits(feats, anchor, ctx)
+
+
+def _round_to(model, dtype: torch.dtype | None):
+    """The weights as the export stores them (cast to `dtype`, back to fp32 for the probe)."""
+    if dtype is not None:
+        for p in model.parameters():
+            p.data = p.data.to(dtype).float()
+    return model
+
+
+def export(checkpoint: Path, out: Path, target: Path | None = None, verifier: str | None = None,
+           dtype: str | None = None) -> dict[str, Any]:
+    from trainer.checkpoint import SUMS, read_meta, verify_checkpoint
+    from trainer.eval.models import load_drafter, resolve_drafter_dir
+    from trainer.eval.run import training_data_meta
+    from trainer.regenerate import DATA_META
+
+    try:
+        folder = resolve_drafter_dir(checkpoint)
+    except ValueError as exc:
+        raise ExportError(str(exc).replace("--drafter", "--checkpoint")) from None
+    out = Path(out)
+    if out.exists():
+        raise ExportError(f"--out {out} exists: choose a new folder")
+    if (folder / SUMS).is_file():
+        bad = verify_checkpoint(folder)
+        if bad:
+            raise ExportError(f"{folder} does not verify: {'; '.join(bad)} (export an older checkpoint)")
+    cfg = json.loads((folder / "config.json").read_text())
+    if "speculators_model_type" not in cfg:
+        raise ExportError(f"{folder}: not a speculators checkpoint (config.json has no speculators_model_type)")
+    recorded = cfg.get("speculators_config", {}).get("verifier", {}).get("name_or_path")
+    target = Path(target) if target is not None else (Path(recorded) if recorded else None)
+    if target is None or not (target / "config.json").is_file():
+        raise ExportError(f"the target recorded in {folder}/config.json ({recorded}) is not a local model folder: "
+                          "pass --target DIR")
+    cast = getattr(torch, dtype) if dtype else None
+    model = load_drafter(folder, target, torch.device("cpu"))
+    before = probe_logits(_round_to(model, cast))
+    model.config.speculators_config.verifier.name_or_path = verifier or str(target)
+    tmp = out.parent / f".{out.name}.tmp"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        (model.to(cast) if cast is not None else model).save_pretrained(str(tmp))
+        reloaded = load_drafter(tmp, target, torch.device("cpu"))
+        after = probe_logits(reloaded)
+        if not torch.equal(before, after):
+            raise ExportError(f"the reloaded export gives different logits (max diff "
+                              f"{(before - after).abs().max().item():.3g}): export refused")
+        step = read_meta(folder).get("step") if (folder / "meta.json").is_file() else None
+        data_meta, data_where = training_data_meta(folder)
+        if data_meta is not None:
+            atomic_write_text(tmp / DATA_META, json.dumps({**data_meta, "copied_from": data_where}, indent=1))
+        B = int(model.config.block_size)
+        size_before, size_after = dir_size(folder), dir_size(tmp)
+        info = {
+            "source": str(folder), "step": step, "target": str(target), "verifier": verifier or str(target),
+            "dtype": dtype or "as trained", "block_size": B, "aux_layer_ids": list(model.config.aux_hidden_state_layer_ids),
+            "bytes_before": size_before, "bytes_after": size_after,
+            "files": {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()},
+            "reload_check": "bit-identical drafter logits on a probe block",
+            "serve": serve_command(verifier or str(target), out.resolve(), B),
+        }
+        atomic_write_text(tmp / "dflash_export.json", json.dumps(info, indent=1))
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    info["bytes_after"] = dir_size(out)
+    print(f"exported {folder} -> {out}")
+    print(f"size: {size_before / 2**20:.2f} MiB before (with trainer state), {info['bytes_after'] / 2**20:.2f} MiB after")
+    print("reload check: bit-identical drafter logits")
+    print(f"serve it with:\n  {info['serve']}")
+    return info
