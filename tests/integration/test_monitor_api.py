@@ -206,7 +206,7 @@ def test_bind_address_needs_a_flag_and_a_token(tmp_path, served):
 
 def test_cli_monitor_refuses_remote_and_serves_a_dir_that_does_not_exist_yet(tmp_path):
     res = subprocess.run([*DFLASH, "monitor", "--run-dir", str(tmp_path), "--host", "0.0.0.0"],
-                         capture_output=True, text=True, timeout=60, env=ENV)
+                         capture_output=True, text=True, timeout=60, env=ENV, check=False)
     assert res.returncode == 2 and "refusing to bind 0.0.0.0" in res.stderr and "ssh -L" in res.stderr
     out = tmp_path / "later" / "run"
     proc = subprocess.Popen([*DFLASH, "monitor", "--run-dir", str(out), "--port", "0"], stdout=subprocess.PIPE,
@@ -236,16 +236,16 @@ def test_cli_status_one_screen_and_json(tmp_path):
     write_run(tmp_path / "r1", steps=4, total=8)
     write_run(tmp_path / "r2", steps=3, total=3, end="completed")
     res = subprocess.run([*DFLASH, "status", "--run-dir", str(tmp_path), "--disk-min-gb", "0"],
-                         capture_output=True, text=True, timeout=60, env={**ENV, "COLUMNS": "120"})
+                         capture_output=True, text=True, timeout=60, env={**ENV, "COLUMNS": "120"}, check=False)
     assert res.returncode == 0, res.stderr
     assert "step 4 / 8" in res.stdout and "running" in res.stdout and "runs under this folder" in res.stdout
     assert len(res.stdout.splitlines()) < 40 and SECRET not in res.stdout
     res = subprocess.run([*DFLASH, "status", "--run-dir", str(tmp_path), "--run", "r2", "--json"],
-                         capture_output=True, text=True, timeout=60, env=ENV)
+                         capture_output=True, text=True, timeout=60, env=ENV, check=False)
     snap = json.loads(res.stdout)
     assert snap["status"] == "completed" and snap["summary"]["step"] == 3
     res = subprocess.run([*DFLASH, "status", "--run-dir", str(tmp_path), "--run", "nope"],
-                         capture_output=True, text=True, timeout=60, env=ENV)
+                         capture_output=True, text=True, timeout=60, env=ENV, check=False)
     assert res.returncode == 2 and "no run 'nope'" in res.stdout
 
 

@@ -284,8 +284,7 @@ class Handler(BaseHTTPRequestHandler):
                 cursor = n
             if kind == "init" or msg["log"] or any(msg.get("points", {}).values()) or \
                     time.monotonic() - last_sent >= HEARTBEAT_S:
-                if kind == "update" and time.monotonic() - last_sent >= HEARTBEAT_S:
-                    msg["runs"] = hub.run_list()
+                msg["runs"] = hub.run_list()
                 self.wfile.write(b"event: " + kind.encode() + b"\ndata: " + dumps(msg) + b"\n\n")
                 self.wfile.flush()
                 last_sent = time.monotonic()

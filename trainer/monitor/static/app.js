@@ -19,6 +19,11 @@ function fmtNum(v, digits = 4) {
   if (v !== 0 && (Math.abs(v) < 1e-3 || Math.abs(v) >= 1e6)) return v.toExponential(2);
   return v.toFixed(digits);
 }
+function fmtTick(t) {
+  if (Math.abs(t) < 1e-12) return "0";
+  if (Math.abs(t) < 1e-3 || Math.abs(t) >= 1e6) return t.toExponential(1);
+  return String(Number(t.toPrecision(4)));
+}
 function fmtInt(v) { return v === null || v === undefined ? "–" : Math.round(v).toLocaleString("en-US"); }
 function fmtDur(s) {
   if (s === null || s === undefined || !isFinite(s)) return "–";
@@ -96,7 +101,7 @@ function drawChart(canvas, points, color) {
   for (const t of niceTicks(y0, y1, 4)) {
     const y = Math.round(Y(t)) + 0.5;
     ctx.beginPath(); ctx.moveTo(L, y); ctx.lineTo(L + pw, y); ctx.stroke();
-    ctx.fillText(fmtNum(t, Math.abs(t) < 10 ? 3 : 1).replace(/\.?0+$/, (m) => (m.startsWith(".") ? "" : m)), L - 6, y);
+    ctx.fillText(fmtTick(t), L - 6, y);
   }
   ctx.textAlign = "center"; ctx.textBaseline = "top";
   for (const t of niceTicks(x0, x1, 5)) {
@@ -247,6 +252,8 @@ function renderStatus(s) {
   $("tokens-fill").style.width = `${Math.min(100, (s.token_progress || 0) * 100)}%`;
   setText("elapsed", fmtDur(s.elapsed_s));
   setText("eta", s.finished ? "done" : fmtDur(s.eta_s));
+  setText("finish-at", s.finished ? fmtTime(s.end && s.end.time) : (s.eta_s === null ? "–" :
+    new Date((s.now + s.eta_s) * 1000).toLocaleString([], { weekday: "short", hour: "2-digit", minute: "2-digit" })));
   setText("tps", s.tokens_per_s === null ? "–" : fmtInt(s.tokens_per_s));
   setText("sps", s.seconds_per_step === null ? "–" : `${s.seconds_per_step.toFixed(s.seconds_per_step < 10 ? 2 : 0)}s`);
   setText("last-step-age", fmtAgo(s.last_step_time, s.now));
