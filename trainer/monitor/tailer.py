@@ -29,7 +29,7 @@ class Follower:
     before the end instead of reading a possibly huge file from its start. None reads from byte 0
     (the event stream, whose every line matters)."""
 
-    def __init__(self, path: Path, backlog_bytes: int | None = None, max_read: int = 8 * CHUNK):
+    def __init__(self, path: Path, backlog_bytes: int | None = None, max_read: int = CHUNK):
         self.path = Path(path)
         self.backlog_bytes = backlog_bytes
         self.max_read = max_read
