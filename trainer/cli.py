@@ -120,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_issue5_verbs(sub)
     # --- verbs of issue #6 (salvage): add below this line
+    from trainer.salvage.cli import add_parser as add_salvage_verbs
+
+    add_salvage_verbs(sub)
     return parser
 
 

@@ -1,0 +1,293 @@
+"""`dflash salvage inventory|stop|collect|push|verify|notes|all`.
+
+Exit codes: 0 everything holds; 1 a check failed (verify, push, stop without a verified final
+checkpoint); 2 bad input, refused before any work; 3 the trainer did not stop within --timeout.
+Each verb that is given the salvage set (`--out SET` / `SET`) records its report in SET/.salvage/,
+which `notes` turns into NOTES.md and salvage-report.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import operator
+import sys
+from pathlib import Path
+from typing import Any
+
+EXIT_OK, EXIT_FAILED, EXIT_INPUT, EXIT_TIMEOUT = 0, 1, 2, 3
+
+
+def _emit(args, report: dict[str, Any], text: str) -> None:
+    if getattr(args, "json", False):
+        print(json.dumps(report, indent=1, default=str))
+    else:
+        print(text)
+
+
+def _save(set_dir: Path | None, step: str, report: dict[str, Any]) -> None:
+    if set_dir is not None and not report.get("check"):
+        from trainer.salvage.notes import save_step
+
+        save_step(set_dir, step, report)
+
+
+def cmd_inventory(args) -> int:
+    from trainer.salvage.inventory import render_table, take_inventory
+
+    inv = take_inventory(args.run_dir, args.stop_unknown)
+    _save(args.out, "inventory", inv)
+    _emit(args, inv, render_table(inv))
+    return EXIT_OK
+
+
+def cmd_stop(args) -> int:
+    from trainer.salvage.inventory import render_table, take_inventory
+    from trainer.salvage.stop import stop_others, stop_trainer
+
+    inv = take_inventory([args.run_dir], args.stop_unknown)
+    if args.out is not None and not args.check:
+        from trainer.salvage.notes import save_step
+
+        save_step(args.out, "inventory", inv)
+    rep = stop_trainer(args.run_dir, args.timeout, check=args.check)
+    if args.stop_unknown:
+        others = [p for p in inv["processes"] if p["action"] == "stop" and p["kind"] != "trainer"]
+        rep["others_planned"] = [{"pid": p["pid"], "what": p["what"]} for p in others]
+        if not args.check:
+            rep["others"] = stop_others(inv)
+    _save(args.out, "stop", rep)
+    text = render_table(inv) + "\n\n" + f"trainer: {rep['state']}: {rep['message']}"
+    if rep.get("checkpoint"):
+        text += f"\ncheckpoint {rep['checkpoint']}: " + ("verifies" if not rep["checkpoint_problems"] else
+                                                         "DOES NOT VERIFY: " + "; ".join(rep["checkpoint_problems"]))
+    if args.check:
+        text += "\n(--check: nothing was stopped)"
+    _emit(args, rep, text)
+    if rep["state"] == "timeout":
+        print(f"dflash salvage stop: {rep['message']}", file=sys.stderr)
+        return EXIT_TIMEOUT
+    return EXIT_OK if rep["ok"] else EXIT_FAILED
+
+
+def cmd_collect(args) -> int:
+    from trainer.salvage.collect import collect
+
+    rep = collect(args.run_dir, args.out, keep=args.keep, config=args.config, includes=args.include,
+                  recon=args.recon, with_data=not args.no_data, hardlink=not args.copy, check=args.check,
+                  refresh_facts=args.refresh_facts)
+    _save(args.out, "collect", rep)
+    lines = [(f"salvage set {rep['set_dir']}{' (--check: nothing written)' if args.check else ''}: "
+             f"{rep['files']} files, {rep['bytes']:,} bytes")]
+    for kind, c in sorted(rep["by_kind"].items()):
+        lines.append(f"  {kind:11} {c['files']:6} files {c['bytes']:>15,} bytes")
+    for c in rep["checkpoints"]:
+        lines.append(f"  checkpoint {c['name']} ({c['why']}): " + ("verifies" if not c["problems"] else "DOES NOT VERIFY: " + "; ".join(c["problems"])))
+    for n in rep["not_moved"]:
+        lines.append(f"  not moved: {n['path']} ({n['bytes']:,} bytes): {n['why']}")
+    if not args.check:
+        lines.append(f"  manifest {rep['manifest']}: {rep['file_count']} files, {rep['total_bytes']:,} bytes "
+                     f"({rep['hashed']} hashed now, the rest unchanged)")
+    _emit(args, rep, "\n".join(lines))
+    return EXIT_OK
+
+
+def cmd_push(args) -> int:
+    from trainer.salvage.s3 import push
+
+    rep = push(args.set, args.s3, args.endpoint_url, check=args.check, references=args.reference,
+               workers=args.workers, chunk_bytes=args.chunk_mib * 2**20, threshold_bytes=args.chunk_mib * 2**20,
+               progress=not args.no_progress)
+    _save(args.set, "push", rep)
+    lines = [(f"push {args.set} -> {rep['s3']}{' (--check: nothing sent)' if args.check else ''}: "
+             f"{rep['files']} files, {rep['bytes']:,} bytes; {rep['to_upload']} to upload ({rep['to_upload_bytes']:,} bytes), "
+             f"{rep['skipped']} already there with equal sha256, {len(rep['referenced'])} referenced elsewhere")]
+    if args.check:
+        for p in rep["plan"]:
+            if p["action"] != "skip":
+                lines.append(f"  would {p['action']:9} {p['path']} ({p['size']:,} bytes): {p['why']}")
+    else:
+        n_rec = sum(r["uploaded"] for r in rep.get("records", {}).values())
+        lines.append(f"  uploaded {rep['uploaded']} object(s) + {n_rec} record(s) (NOTES.md, report), "
+                     f"{rep['uploaded_bytes']:,} bytes in {rep['seconds']} s")
+        if rep.get("aborted_stale_uploads"):
+            lines.append(f"  aborted {len(rep['aborted_stale_uploads'])} multipart upload(s) left by an interrupted push")
+        for f in rep["failed"]:
+            lines.append(f"  FAILED {f['path']}: {f['error']}")
+        if rep["ok"]:
+            lines.append(f"  manifest stored at s3://{rep['s3'][5:].split('/')[0]}/{rep['manifest_key']}")
+        else:
+            lines.append("  the manifest was NOT stored (the set is incomplete in S3): re-run the same push to resume")
+    rep.pop("plan", None) if not args.json else None
+    _emit(args, rep, "\n".join(lines))
+    return EXIT_OK if rep["ok"] else EXIT_FAILED
+
+
+def cmd_verify(args) -> int:
+    from trainer.salvage.verify import render, verify_local, verify_s3
+
+    if (args.s3 is None) == (args.set is None):
+        print("dflash salvage verify: give either --s3 s3://BUCKET/PREFIX or a local salvage set folder", file=sys.stderr)
+        return EXIT_INPUT
+    if args.s3:
+        rep = verify_s3(args.s3, args.endpoint_url, load=not args.no_load, target=args.target, workdir=args.workdir,
+                        workers=args.workers, data_gate=args.data_gate, load_checkpoints=not args.no_load_checkpoints)
+    else:
+        rep = verify_local(args.set, load=not args.no_load, target=args.target, data_gate=args.data_gate,
+                           load_checkpoints=not args.no_load_checkpoints)
+    _save(args.out, "verify", rep)
+    _emit(args, rep, render(rep))
+    return EXIT_OK if rep["ok"] else EXIT_FAILED
+
+
+def cmd_notes(args) -> int:
+    from trainer.salvage.notes import write_notes
+
+    rep = write_notes(args.set)
+    text = f"wrote {rep['notes']} and {rep['report']}: " + (
+        "the node can go" if rep["node_can_go"] else "DO NOT shut the node down yet:\n  " + "\n  ".join(rep["reasons"]))
+    _emit(args, rep, text)
+    return EXIT_OK if rep["node_can_go"] else EXIT_FAILED
+
+
+def cmd_all(args) -> int:
+    """inventory -> stop -> collect -> push -> verify -> notes -> push (the notes): what the role runs."""
+    base = ["--json"] if args.json else []
+    common_s3 = ["--s3", args.s3] + (["--endpoint-url", args.endpoint_url] if args.endpoint_url else [])
+    stop = ["stop", "--run-dir", str(args.run_dir), "--out", str(args.out), "--timeout", str(args.timeout)]
+    stop += ["--stop-unknown"] if args.stop_unknown else []
+    collect = ["collect", "--run-dir", str(args.run_dir), "--out", str(args.out), "--keep", str(args.keep)]
+    collect += (["--config", str(args.config)] if args.config else []) + (["--no-data"] if args.no_data else [])
+    for p in args.include:
+        collect += ["--include", str(p)]
+    for p in args.recon:
+        collect += ["--recon", str(p)]
+    push = ["push", str(args.out), *common_s3, "--no-progress"] + functools.reduce(operator.iadd, (["--reference", r] for r in args.reference), [])
+    verify = ["verify", *common_s3, "--out", str(args.out), "--data-gate", args.data_gate]
+    verify += ["--target", str(args.target)] if args.target else []
+    if args.check:
+        codes = [main_salvage([*stop, "--check", *base]), main_salvage([*collect, "--check", *base])]
+        if (Path(args.out) / "MANIFEST.json").is_file():
+            codes.append(main_salvage([*push, "--check", *base]))
+        print(f"(--check) then: verify every manifest entry at {args.s3} by reading it back, load each "
+              "checkpoint and dataset, write NOTES.md; nothing was changed", file=sys.stderr)
+        return max(codes)
+    rc_stop = main_salvage([*stop, *base])
+    if rc_stop == EXIT_INPUT:
+        return rc_stop
+    for step in (collect, push):
+        rc = main_salvage([*step, *base])
+        if rc != EXIT_OK:
+            main_salvage(["notes", str(args.out), *base])
+            return rc
+    rc_verify = main_salvage([*verify, *base])
+    rc_notes = main_salvage(["notes", str(args.out), *base])
+    rc_push = main_salvage([*push, *base])  # NOTES.md, the report and the refreshed manifest
+    return max(rc_stop, rc_verify, rc_notes, rc_push)
+
+
+def add_parser(sub) -> None:
+    sal = sub.add_parser("salvage", help="before a node is shut down: stop, collect, upload, verify, write notes")
+    ss = sal.add_subparsers(dest="salvage_verb", required=True, metavar="STEP")
+
+    def s3_args(p, required=True):
+        p.add_argument("--s3", required=required, metavar="s3://BUCKET/PREFIX", help="where the set lives in S3")
+        p.add_argument("--endpoint-url", help="S3 endpoint (Ceph radosgw, MinIO, ...); default: AWS")
+
+    p = ss.add_parser("inventory", help="list running work (GPU processes, trainer, servers, sessions), classified")
+    p.add_argument("--run-dir", type=Path, action="append", default=[], help="a run folder (its pid is the trainer)")
+    p.add_argument("--stop-unknown", action="store_true", help="mark non-trainer work to be stopped too")
+    p.add_argument("--out", type=Path, help="salvage set: record the report in SET/.salvage/")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=run, salvage_func=cmd_inventory)
+
+    p = ss.add_parser("stop", help="SIGTERM the trainer (via systemd/supervisor/torchrun), wait for its final checkpoint")
+    p.add_argument("--run-dir", type=Path, required=True)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for run_end (default 600)")
+    p.add_argument("--stop-unknown", action="store_true", help="also SIGTERM servers and unknown work afterwards")
+    p.add_argument("--check", action="store_true", help="say what would be stopped; stop nothing")
+    p.add_argument("--out", type=Path)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=run, salvage_func=cmd_stop)
+
+    p = ss.add_parser("collect", help="copy the run's artifacts and node facts into a salvage set + sha256 manifest")
+    p.add_argument("--run-dir", type=Path, required=True)
+    p.add_argument("--out", type=Path, required=True, help="the salvage set folder")
+    p.add_argument("--config", type=Path, help="the run config file as started (default: RUN_DIR/run.yaml)")
+    p.add_argument("--keep", type=int, default=2, help="newest K checkpoints (default 2) + the best by eval tau")
+    p.add_argument("--include", type=Path, action="append", default=[], help="scripts/patches/configs to add")
+    p.add_argument("--recon", type=Path, action="append", default=[], help="recon report(s) of this node")
+    p.add_argument("--no-data", action="store_true", help="leave the tokenized dataset out (listed as not moved)")
+    p.add_argument("--copy", action="store_true", help="copy large files instead of hard-linking them")
+    p.add_argument("--refresh-facts", action="store_true", help="take the node facts again (default: keep the first)")
+    p.add_argument("--check", action="store_true", help="list what would be collected; write nothing")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=run, salvage_func=cmd_collect)
+
+    p = ss.add_parser("push", help="upload a salvage set to S3 (multipart, Content-MD5, sha256 metadata, resumable)")
+    p.add_argument("set", type=Path, metavar="SET")
+    s3_args(p)
+    p.add_argument("--reference", action="append", default=[], metavar="s3://BUCKET/PREFIX",
+                   help="another salvage set in S3: files with equal sha256 there are referenced, not re-sent")
+    p.add_argument("--workers", type=int, default=8, help="parallel part uploads (default 8)")
+    p.add_argument("--chunk-mib", type=int, default=16, help="multipart part size and threshold (default 16)")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--check", action="store_true", help="list what would be uploaded; send nothing")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=run, salvage_func=cmd_push)
+
+    p = ss.add_parser("verify", help="read every manifest entry back, hash it, load checkpoints and datasets")
+    p.add_argument("set", type=Path, nargs="?", metavar="SET", help="a local salvage set (instead of --s3)")
+    s3_args(p, required=False)
+    p.add_argument("--target", type=Path, help="target model folder for the checkpoints' verifier weights")
+    p.add_argument("--no-load", action="store_true", help="integrity only: skip every loadability check")
+    p.add_argument("--no-load-checkpoints", action="store_true", help="checkpoints: SHA256SUMS only, no speculators")
+    p.add_argument("--data-gate", choices=("fail", "warn"), default="fail",
+                   help="a dataset the data gate refuses fails verify (default) or is a warning")
+    p.add_argument("--workdir", type=Path, help="keep the read-back copies here (default: a temp folder, removed)")
+    p.add_argument("--workers", type=int, default=8)
+    p.add_argument("--out", type=Path, help="salvage set: record the report in SET/.salvage/")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=run, salvage_func=cmd_verify)
+
+    p = ss.add_parser("notes", help="write NOTES.md and salvage-report.json into the set from the step reports")
+    p.add_argument("set", type=Path, metavar="SET")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=run, salvage_func=cmd_notes)
+
+    p = ss.add_parser("all", help="every step in order: stop, collect, push, verify, notes (what the role runs)")
+    p.add_argument("--run-dir", type=Path, required=True)
+    p.add_argument("--out", type=Path, required=True)
+    s3_args(p)
+    p.add_argument("--config", type=Path)
+    p.add_argument("--keep", type=int, default=2)
+    p.add_argument("--include", type=Path, action="append", default=[])
+    p.add_argument("--recon", type=Path, action="append", default=[])
+    p.add_argument("--reference", action="append", default=[])
+    p.add_argument("--no-data", action="store_true")
+    p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--stop-unknown", action="store_true")
+    p.add_argument("--target", type=Path)
+    p.add_argument("--data-gate", choices=("fail", "warn"), default="fail")
+    p.add_argument("--check", action="store_true", help="list what would be stopped, moved and verified")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=run, salvage_func=cmd_all)
+
+
+def run(args) -> int:
+    from trainer.manifest import ManifestError
+    from trainer.salvage import SalvageError
+
+    try:
+        return int(args.salvage_func(args) or 0)
+    except (SalvageError, ManifestError) as exc:
+        print(f"dflash salvage {args.salvage_verb}: {exc}", file=sys.stderr)
+        return EXIT_INPUT
+
+
+def main_salvage(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="dflash")
+    add_parser(parser.add_subparsers(dest="verb"))
+    args = parser.parse_args(["salvage", *argv])
+    return run(args)

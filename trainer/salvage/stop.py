@@ -1,0 +1,245 @@
+"""Stop the trainer gracefully and prove it stopped well.
+
+1. Find it: the pid of the run's last `run_start` event that has no `run_end` after it.
+2. Ask it to stop the way it was started: `systemctl stop UNIT` when it runs in a systemd service
+   (read from /proc/PID/cgroup), `supervisorctl stop NAME` under supervisor (from the process's
+   SUPERVISOR_* environment), the torchrun launcher when it is a torchrun worker (torchrun forwards the
+   signal to every rank), else SIGTERM to the pid. Either way the trainer gets SIGTERM, finishes its
+   step, writes a final checkpoint (`reason: signal`) and a `run_end` with `status: stopped`.
+3. Wait for those two events (not for the process to vanish: a service manager may keep it around),
+   then verify the final checkpoint (SHA256SUMS). A timeout is a failure stated loudly with the newest
+   checkpoint that does verify, never a silent "done".
+
+Light side: psutil and the event stream; no torch.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from trainer import checkpoint as ckpt
+from trainer.events import load_events, read_events
+from trainer.salvage import SalvageError
+from trainer.salvage.inventory import classify
+
+
+def run_state(run_dir: Path) -> dict[str, Any]:
+    """The last run_start of the stream and whatever ended it (None: no run_end yet)."""
+    evs = load_events(Path(run_dir) / "events.jsonl")
+    starts = [i for i, e in enumerate(evs) if e.get("event") == "run_start"]
+    if not starts:
+        return {"start": None, "end": None}
+    i = starts[-1]
+    end = next((e for e in evs[i + 1 :] if e.get("event") == "run_end"), None)
+    return {"start": evs[i], "end": end}
+
+
+def stop_method(pid: int, cgroup: str, environ: dict[str, str], parent_cmd: list[str] | None,
+                have_systemctl: bool, have_supervisorctl: bool) -> dict[str, Any]:
+    """How to ask `pid` to stop, from what the kernel and its environment say about it."""
+    unit = None
+    for line in cgroup.splitlines():
+        path = line.rsplit(":", 1)[-1]
+        for part in reversed(path.split("/")):
+            if part.endswith(".service"):
+                unit = part
+                break
+        if unit:
+            break
+    if unit and have_systemctl and not unit.startswith(("user@", "session-", "ssh")):
+        return {"how": "systemd", "unit": unit, "command": ["systemctl", "stop", "--no-block", unit]}
+    name = environ.get("SUPERVISOR_PROCESS_NAME")
+    if name and have_supervisorctl:
+        group = environ.get("SUPERVISOR_GROUP_NAME") or name
+        cmd = ["supervisorctl"]
+        if environ.get("SUPERVISOR_SERVER_URL"):
+            cmd += ["-s", environ["SUPERVISOR_SERVER_URL"]]
+        return {"how": "supervisor", "program": f"{group}:{name}", "command": [*cmd, "stop", f"{group}:{name}"]}
+    if parent_cmd:
+        cls = classify(parent_cmd, os.path.basename(parent_cmd[0]))
+        if cls and cls[0] == "trainer" and "torchrun" in cls[1]:
+            return {"how": "torchrun", "signal_pid": "parent"}
+    return {"how": "signal", "signal_pid": pid}
+
+
+def _describe(pid: int) -> dict[str, Any]:
+    p = psutil.Process(pid)
+    try:
+        cgroup = Path(f"/proc/{pid}/cgroup").read_text()
+    except OSError:
+        cgroup = ""
+    try:
+        environ = p.environ()
+    except psutil.Error:
+        environ = {}
+    try:
+        parent = p.parent()
+        parent_cmd = parent.cmdline() if parent else None
+        parent_pid = parent.pid if parent else None
+    except psutil.Error:
+        parent_cmd, parent_pid = None, None
+    method = stop_method(pid, cgroup, environ, parent_cmd, shutil.which("systemctl") is not None,
+                         shutil.which("supervisorctl") is not None)
+    if method.get("signal_pid") == "parent":
+        method["signal_pid"] = parent_pid
+    return method
+
+
+def _alive(pid: int, started_before: float | None) -> bool:
+    try:
+        p = psutil.Process(pid)
+        if p.status() == psutil.STATUS_ZOMBIE:
+            return False
+        # a recycled pid belongs to a process started after the run wrote run_start
+        return started_before is None or p.create_time() <= started_before + 1.0
+    except psutil.Error:
+        return False
+
+
+def stop_trainer(run_dir: Path, timeout_s: float = 600.0, check: bool = False, poll_s: float = 0.2) -> dict[str, Any]:
+    """Stop the run writing `run_dir`; returns the stop report (`ok` false on any doubt)."""
+    run_dir = Path(run_dir)
+    if not (run_dir / "events.jsonl").is_file():
+        raise SalvageError(f"{run_dir}/events.jsonl does not exist: not a dflash run folder (pass its out_dir)")
+    if timeout_s <= 0:
+        raise SalvageError(f"--timeout {timeout_s}: must be positive")
+    st = run_state(run_dir)
+    start, end = st["start"], st["end"]
+    report: dict[str, Any] = {"run_dir": str(run_dir.resolve()), "check": check, "timeout_s": timeout_s}
+    if start is None:
+        report.update(state="never_started", ok=True, message="no run_start event: nothing ran here")
+        return _with_checkpoint(report, run_dir)
+    pid = start.get("pid")
+    report["pid"] = pid
+    report["run_id"] = start.get("run_id")
+    if end is not None:
+        report.update(state="not_running", ok=True, end=end,
+                      message=f"the run already ended ({end.get('status')} at step {end.get('step')}): nothing to stop")
+        return _with_checkpoint(report, run_dir)
+    if not isinstance(pid, int) or not _alive(pid, start.get("time")):
+        report.update(state="dead", ok=False,
+                      message=f"the run has no run_end and its process {pid} is gone (killed or crashed): "
+                              "no final checkpoint; the newest verified one is salvaged")
+        return _with_checkpoint(report, run_dir)
+    method = _describe(pid)
+    report["method"] = method
+    if check:
+        report.update(state="running", ok=True, message=f"would stop pid {pid} via {method['how']}")
+        return _with_checkpoint(report, run_dir)
+    offset = (run_dir / "events.jsonl").stat().st_size
+    t0 = time.monotonic()
+    _send(method, pid, report)
+    final = None
+    run_end = None
+    deadline = t0 + timeout_s
+    while time.monotonic() < deadline:
+        for end_at, ev in read_events(run_dir / "events.jsonl", offset):
+            offset = end_at
+            if ev.get("event") == "checkpoint" and ev.get("reason") == "signal":
+                final = ev
+            elif ev.get("event") == "run_end":
+                run_end = ev
+        if run_end is not None:
+            break
+        if not _alive(pid, start.get("time")):
+            # it exited: read what it managed to write
+            for _, ev in read_events(run_dir / "events.jsonl", offset):
+                if ev.get("event") == "run_end":
+                    run_end = ev
+                elif ev.get("event") == "checkpoint" and ev.get("reason") == "signal":
+                    final = ev
+            break
+        time.sleep(poll_s)
+    report["waited_s"] = round(time.monotonic() - t0, 3)
+    report["final_checkpoint_event"] = final
+    report["end"] = run_end
+    if run_end is None and _alive(pid, start.get("time")):
+        report.update(state="timeout", ok=False,
+                      message=f"TIMEOUT: pid {pid} got SIGTERM ({method['how']}) but wrote no run_end within "
+                              f"{timeout_s:.0f}s; it is STILL RUNNING. Its newest checkpoint that verifies is salvaged; "
+                              "raise --timeout or look at train.log before shutting the node down")
+    elif run_end is None:
+        report.update(state="died", ok=False,
+                      message=f"pid {pid} exited without a run_end event after SIGTERM: no final checkpoint")
+    elif run_end.get("status") != "stopped" or final is None:
+        report.update(state=f"ended_{run_end.get('status')}", ok=run_end.get("status") == "completed",
+                      message=f"the run ended with status {run_end.get('status')!r} at step {run_end.get('step')} "
+                              f"({'with' if final else 'without'} a final signal checkpoint)")
+    else:
+        report.update(state="stopped", ok=True,
+                      message=f"stopped at step {run_end.get('step')} with final checkpoint {final.get('name')}")
+    report["process_exited"] = not _alive(pid, start.get("time"))
+    _with_checkpoint(report, run_dir)
+    if report["state"] == "stopped" and report.get("checkpoint") != final.get("name"):
+        report["ok"] = False
+        report["message"] += f"; but `latest` names {report.get('checkpoint')}, not the final checkpoint"
+    if report.get("checkpoint_problems"):
+        report["ok"] = False
+        report["message"] += "; the checkpoint does NOT verify: " + "; ".join(report["checkpoint_problems"])
+    return report
+
+
+def _send(method: dict[str, Any], pid: int, report: dict[str, Any]) -> None:
+    if method["how"] in ("systemd", "supervisor"):
+        # supervisorctl waits for the stop; run it detached and watch the event stream instead
+        proc = subprocess.Popen(method["command"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        report["stop_command"] = " ".join(method["command"])
+        report["stop_command_pid"] = proc.pid
+        if method["how"] == "systemd":
+            _, err = proc.communicate(timeout=60)
+            if proc.returncode != 0:
+                raise SalvageError(f"{report['stop_command']} failed (exit {proc.returncode}): {err.decode()[:300]}")
+        return
+    target = method.get("signal_pid") or pid
+    os.kill(int(target), signal.SIGTERM)
+    report["signalled_pid"] = int(target)
+
+
+def _with_checkpoint(report: dict[str, Any], run_dir: Path) -> dict[str, Any]:
+    """Add the checkpoint `latest` names (or the newest that verifies) and whether it verifies."""
+    latest = ckpt.read_latest(run_dir)
+    if latest is not None:
+        report["checkpoint"] = latest.name
+        report["checkpoint_problems"] = ckpt.verify_checkpoint(latest)
+        if report["checkpoint_problems"]:
+            good, _ = ckpt.find_resume_checkpoint(run_dir)
+            report["newest_verified_checkpoint"] = good.name if good else None
+    else:
+        report["checkpoint"] = None
+        report["checkpoint_problems"] = []
+    return report
+
+
+def stop_others(inventory: dict[str, Any], timeout_s: float = 30.0) -> list[dict[str, Any]]:
+    """SIGTERM the non-trainer processes the inventory marked `stop` (only with stop_unknown); then
+    SIGKILL what is still there after `timeout_s`. Returns what happened to each."""
+    out = []
+    targets = [p for p in inventory["processes"] if p["action"] == "stop" and p["kind"] != "trainer"]
+    for p in targets:
+        try:
+            proc = psutil.Process(p["pid"])
+            if p["started"] and abs(proc.create_time() - p["started"]) > 1.0:
+                out.append({"pid": p["pid"], "result": "gone (pid reused)"})
+                continue
+            proc.terminate()
+            out.append({"pid": p["pid"], "what": p["what"], "result": "SIGTERM sent", "_proc": proc})
+        except psutil.Error:
+            out.append({"pid": p["pid"], "what": p["what"], "result": "already gone"})
+    procs = [o.pop("_proc") for o in out if "_proc" in o]
+    _, alive = psutil.wait_procs(procs, timeout=timeout_s)
+    for proc in alive:
+        proc.kill()
+    for o in out:
+        if any(a.pid == o["pid"] for a in alive):
+            o["result"] = f"did not exit within {timeout_s:.0f}s of SIGTERM: SIGKILLed"
+        elif o["result"] == "SIGTERM sent":
+            o["result"] = "exited after SIGTERM"
+    return out
