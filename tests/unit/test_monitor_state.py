@@ -136,6 +136,20 @@ def test_stall_alert_uses_the_median_gap_and_a_floor():
     assert evaluate(st, 500.0, th) == []  # a finished run does not stall
 
 
+def test_trainer_watchdog_stall_and_trainer_warnings_become_alerts():
+    st = RunState()
+    st.feed(start_event(t=100.0))
+    st.feed(step_event(1, 101.0))
+    st.feed({"event": "warning", "time": 150.0, "run_id": "r", "kind": "stall", "message": "step 2 has run 49s"})
+    st.feed({"event": "warning", "time": 151.0, "run_id": "r", "kind": "low_target_agreement", "message": "agreement 0.2"})
+    th = Thresholds(disk_min_bytes=0)
+    alerts = {a["kind"]: a for a in evaluate(st, 152.0, th)}
+    assert alerts["stall"]["message"] == "trainer watchdog: step 2 has run 49s"
+    assert alerts["trainer_warning"]["message"] == "low_target_agreement: agreement 0.2"
+    st.feed(step_event(2, 153.0))  # the step finished: the watchdog's stall is over, the data warning stays
+    assert {a["kind"] for a in evaluate(st, 153.5, th)} == {"trainer_warning"}
+
+
 def test_process_gone_and_disk_low_alerts(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()  # a real pid that has exited

@@ -16,6 +16,10 @@ class Thresholds:
     disk_min_bytes: int = 10 * 2**30
 
 
+# trainer warnings worth an alert of their own (nonfinite_loss and stall have theirs)
+TRAINER_KINDS = ("nonfinite_target", "low_target_agreement", "corrupt_checkpoint", "stop_timeout")
+
+
 def _alert(kind: str, level: str, message: str, **extra: Any) -> dict[str, Any]:
     return {"event": "warning", "kind": kind, "level": level, "message": message, **extra}
 
@@ -29,13 +33,29 @@ def evaluate(state: RunState, now: float, th: Thresholds, disk: dict[str, Any] |
                           f"trainer process {state.pid} is gone but the run never wrote run_end "
                           f"(killed? out of memory? node rebooted?); last step {state.step}", pid=state.pid))
     gap = state.median_gap()
+    stalled = False
     if running and alive is not False and gap is not None and state.last_step_time is not None:
         quiet = now - state.last_step_time
         limit = max(th.stall_factor * gap, th.stall_min_s)
         if quiet > limit:
+            stalled = True
             out.append(_alert("stall", "error",
                               f"no step for {quiet:.0f}s ({quiet / gap:.0f}x the median {gap:.1f}s between steps); "
                               f"last step {state.step}", quiet_s=round(quiet, 1), limit_s=round(limit, 1)))
+    since = state.starts[-1].get("time") or 0 if state.starts else 0
+    current = [w for w in state.warnings if (w.get("time") or 0) >= since]
+    if running and alive is not False and not stalled:
+        # the trainer's own watchdog saw a step run too long (it also fires while the loop hangs)
+        last_step = state.last_step_time or since
+        hung = [w for w in current if w.get("kind") == "stall" and (w.get("time") or 0) > last_step]
+        if hung:
+            out.append(_alert("stall", "error", f"trainer watchdog: {hung[-1].get('message') or 'a step is stalled'}"))
+    newest: dict[str, dict[str, Any]] = {}
+    for w in current:
+        if w.get("kind") in TRAINER_KINDS:
+            newest[w["kind"]] = w
+    for kind, w in newest.items():
+        out.append(_alert("trainer_warning", "warn", f"{kind}: {w.get('message') or kind}", warning_kind=kind))
     if state.nonfinite_steps:
         steps = state.nonfinite_steps
         shown = ", ".join(str(s) for s in steps[-5:])

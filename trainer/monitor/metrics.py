@@ -33,7 +33,7 @@ GAUGES: list[tuple[str, str, Any]] = [
     ("dflash_last_step_timestamp_seconds", "Unix time of the newest step event", lambda s: s["last_step_time"]),
     ("dflash_alerts", "Number of active alerts", lambda s: len(s["alerts"])),
 ]
-ALERT_KINDS = ("stall", "nonfinite_loss", "disk_low", "process_gone", "run_failed")
+ALERT_KINDS = ("stall", "nonfinite_loss", "disk_low", "process_gone", "run_failed", "trainer_warning")
 
 
 def _num(v: Any) -> float | None:
