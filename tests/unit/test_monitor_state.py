@@ -216,6 +216,11 @@ def test_find_runs_lists_run_folders_and_a_pending_root(tmp_path):
     assert sorted(find_runs(tmp_path)) == ["a", "group/b"]
     hub = Hub(tmp_path)
     assert sorted(hub.runs) == ["a", "group/b"]
+    pending = Hub(tmp_path / "root")
+    assert list(pending.runs) == ["."]  # nothing there yet: the root is watched as one pending run
+    EventWriter(tmp_path / "root" / "first", "f").emit("run_start")
+    pending.rescan()
+    assert list(pending.runs) == ["first"]  # the placeholder gives way to the real run
 
 
 def test_redaction_masks_secret_keys_and_token_shaped_text_only():

@@ -224,7 +224,7 @@ class Hub:
         for rid, path in found.items():
             if rid not in runs:
                 runs[rid] = RunMonitor(rid, path)
-        if "." in runs and len(found) > 1 and "." not in found:
+        if "." in runs and "." not in found:
             del runs["."]  # the pending placeholder gives way to real runs found below the root
         self.runs = runs
         self._scanned = time.monotonic()

@@ -262,11 +262,13 @@ class Handler(BaseHTTPRequestHandler):
             self.send_header(k, v)
         self.send_header("X-Accel-Buffering", "no")
         self.end_headers()
+        if self.command == "HEAD":
+            return
         gen = hub.generation
         epoch = None
         cursor = log_seq = 0
         last_sent = 0.0
-        while not self.server.stopping.is_set():
+        while not self.server.stopping.is_set() and hub.runs.get(rid) is run:  # ends if the run goes away
             with run.lock:
                 now_epoch = (run.events.resets, run.state.rewinds)
                 n = len(run.state.steps)

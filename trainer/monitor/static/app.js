@@ -251,7 +251,8 @@ function renderStatus(s) {
   setText("tpct", s.token_progress === null ? "" : `${(s.token_progress * 100).toFixed(1)}%`);
   $("tokens-fill").style.width = `${Math.min(100, (s.token_progress || 0) * 100)}%`;
   setText("elapsed", fmtDur(s.elapsed_s));
-  setText("eta", s.finished ? "done" : fmtDur(s.eta_s));
+  const stalled = s.alerts.some((a) => a.kind === "stall" || a.kind === "process_gone");
+  setText("eta", s.finished ? "done" : (stalled ? "stalled" : fmtDur(s.eta_s)));
   setText("finish-at", s.finished ? fmtTime(s.end && s.end.time) : (s.eta_s === null ? "–" :
     new Date((s.now + s.eta_s) * 1000).toLocaleString([], { weekday: "short", hour: "2-digit", minute: "2-digit" })));
   setText("tps", s.tokens_per_s === null ? "–" : fmtInt(s.tokens_per_s));
@@ -317,7 +318,16 @@ function connect(run) {
   const url = "/api/stream" + (run ? `?run=${encodeURIComponent(run)}` : "");
   source = new EventSource(url);
   source.addEventListener("open", () => $("conn").classList.add("live"));
-  source.addEventListener("error", () => $("conn").classList.remove("live"));
+  source.addEventListener("error", () => {
+    $("conn").classList.remove("live");
+    if (source.readyState === EventSource.CLOSED) {
+      // refused (the run is gone from the list): pick again from the runs there are now
+      setTimeout(() => fetch("/api/runs").then((r) => r.json()).then((d) => {
+        const there = d.runs.some((r) => r.run === runId);
+        connect(there ? runId : d.default);
+      }).catch(() => connect(runId)), 2000);
+    }
+  });
   source.addEventListener("init", (e) => {
     const m = JSON.parse(e.data);
     runId = m.status.run;
