@@ -55,3 +55,42 @@ def make_config(tiny_target, tiny_data, tmp_path):
         return write_config(tmp_path / "run.yaml", tiny_target, tiny_data, tmp_path / "out", **sections)
 
     return make
+
+
+# ---------------------------------------------------------------- fixtures of issue #3 (eval, export, regenerate)
+def tiny_prompts(count: int, seed: int = 0) -> list[list[int]]:
+    """The prompts `tiny_data` is made of (seed 0): random ids of the tiny vocabulary."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 500, size=8).tolist() for _ in range(count)]
+
+
+@pytest.fixture(scope="session")
+def trained_drafter(tiny_target, tiny_data, tmp_path_factory) -> Path:
+    """The out_dir of a real `dflash train` run on the tiny fixtures: 150 steps, block 8, aux ids
+    [1, 2] (its `checkpoints/latest` is the drafter). About 20 s on 2 idle cores."""
+    import subprocess
+    import sys
+
+    root = tmp_path_factory.mktemp("trained-drafter")
+    cfg = write_config(
+        root / "run.yaml", tiny_target, tiny_data, root / "run",
+        drafter={"num_layers": 1, "block_size": 8, "aux_layer_ids": [1, 2], "mask_token_id": 511},
+        train={"max_steps": 150, "lr": 3.0e-3, "warmup_steps": 2, "max_tokens_per_batch": 256,
+               "max_anchors": 32, "checkpoint_every": 1000},
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    res = subprocess.run([sys.executable, "-m", "trainer.cli", "train", "--config", str(cfg)],
+                         check=False, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return root / "run"
+
+
+@pytest.fixture
+def one_thread():
+    """Eval loops in-process on one thread: two torch threads on 2 busy cores slow each other 10x+."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
