@@ -36,6 +36,18 @@ def wheel_cache():
     return path
 
 
+@pytest.fixture(scope="session")
+def repo_snapshot(tmp_path_factory):
+    """A frozen copy of what python_env ships (trainer/, requirements/, pyproject.toml, README.md): other
+    work in this checkout edits trainer/ while the tests run, which would be a real change to sync."""
+    dest = tmp_path_factory.mktemp("repo")
+    for name in ("trainer", "requirements"):
+        shutil.copytree(REPO / name, dest / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(REPO / name, dest / name)
+    return dest
+
+
 class Runner:
     def __init__(self, workdir: Path):
         self.workdir = workdir
@@ -46,6 +58,8 @@ class Runner:
 
         env = {"PATH": f"{VENV_BIN}:{os.environ['PATH']}", "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
                "ANSIBLE_ROLES_PATH": str(REPO / "roles"), "HF_HUB_OFFLINE": "1",
+               # ansible-runner turns host key checking off unless told: keep it on, as ansible.cfg says
+               "ANSIBLE_HOST_KEY_CHECKING": "True",
                "ANSIBLE_NOCOLOR": "1", "ANSIBLE_FORCE_COLOR": "0"}
         cmdline = "--check" if check else None
         pdir = self.workdir / f"runner-{len(list(self.workdir.glob('runner-*')))}"
@@ -75,7 +89,7 @@ class Result:
                 and e["event_data"].get("res", {}).get("changed") and (host is None or e["event_data"].get("host") == host)]
 
     def task_results(self, task: str, host: str | None = None) -> list[dict]:
-        return [e["event_data"]["res"] for e in self.events
+        return [e["event_data"].get("res") or {"skipped": e.get("event") == "runner_on_skipped"} for e in self.events
                 if e.get("event") in ("runner_on_ok", "runner_on_failed", "runner_on_skipped")
                 and e["event_data"].get("task") == task and (host is None or e["event_data"].get("host") == host)]
 

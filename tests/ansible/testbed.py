@@ -109,7 +109,12 @@ class Testbed:
         host = Host(name, ns, addr, port, root, hdir)
         self.hosts[name] = host
         _wait_port(addr, port, hdir / "sshd.log")
-        host.pid = int((hdir / "sshd.pid").read_text())
+        pidfile = hdir / "sshd.pid"
+        for _ in range(100):  # sshd writes its pid file just after it starts listening
+            if pidfile.exists() and pidfile.read_text().strip():
+                break
+            time.sleep(0.05)
+        host.pid = int(pidfile.read_text())
         pub = (hdir / "ssh_host_ed25519_key.pub").read_text().split()
         with open(self.known_hosts, "a") as fh:
             fh.write(f"[{addr}]:{port} {pub[0]} {pub[1]}\n")
@@ -147,6 +152,7 @@ class Testbed:
                 "ansible_python_interpreter": "/usr/bin/python3",
                 # hosts share this machine's filesystem: host-wide paths go under each host's root
                 "gpu_facts_fact_dir": "{{ dflash_root }}/facts.d",
+                "dflash_repo": str(REPO),
                 **(group_vars or {}),
             },
             "children": {group: {"hosts": hosts}},
