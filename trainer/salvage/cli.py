@@ -86,6 +86,12 @@ def cmd_collect(args) -> int:
         lines.append(f"  checkpoint {c['name']} ({c['why']}): " + ("verifies" if not c["problems"] else "DOES NOT VERIFY: " + "; ".join(c["problems"])))
     for n in rep["not_moved"]:
         lines.append(f"  not moved: {n['path']} ({n['bytes']:,} bytes): {n['why']}")
+    if args.check:
+        places = rep["would_place"]
+        for item in places[:200]:
+            lines.append(f"  would collect {item['path']} ({item['bytes']:,} bytes)")
+        if len(places) > 200:
+            lines.append(f"  ... and {len(places) - 200} more files")
     if not args.check:
         lines.append(f"  manifest {rep['manifest']}: {rep['file_count']} files, {rep['total_bytes']:,} bytes "
                      f"({rep['hashed']} hashed now, the rest unchanged)")

@@ -205,7 +205,10 @@ def _gate_config(root: Path, dataset: str, manifest: dict[str, Any]):
     from trainer.config import ConfigError, config_from_dict
 
     raw = None
-    for rel in ("run/run.yaml",):
+    configs = ["run/run.yaml"] + sorted(r for r in manifest["files"] if r.startswith("config/") and r.endswith((".yaml", ".yml")))
+    for rel in configs:
+        if raw is not None:
+            break
         if rel in manifest["files"] and (root / rel).is_file():
             try:
                 raw = yaml.safe_load((root / rel).read_text())
