@@ -150,7 +150,7 @@ rgw enable usage log = false
             if self.gateway.poll() is not None:
                 raise RuntimeError(f"radosgw exited ({self.gateway.returncode}); see {self.root}/log/")
             try:
-                urllib.request.urlopen(self.endpoint_url, timeout=2)  # noqa: S310 - loopback
+                urllib.request.urlopen(self.endpoint_url, timeout=2)
                 return
             except urllib.error.HTTPError:
                 return  # it answers (403 without credentials): up

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -21,7 +20,15 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import write_config
-from tests.s3servers import TEST_ACCESS_KEY, TEST_SECRET_KEY, MotoServer, RadosGW, client, have_radosgw, s3_env
+from tests.s3servers import (
+    TEST_ACCESS_KEY,
+    TEST_SECRET_KEY,
+    MotoServer,
+    RadosGW,
+    client,
+    have_radosgw,
+    s3_env,
+)
 from trainer.checkpoint import list_checkpoints, read_latest, verify_checkpoint
 from trainer.events import load_events
 
@@ -118,8 +125,7 @@ def test_salvage_end_to_end_on_radosgw(tmp_path, tiny_target, tiny_data, rgw):
     big = tmp_path / "extras" / "big-log.bin"
     big.parent.mkdir()
     with open(big, "wb") as fh:  # a large artifact so that the endpoint can die mid-upload
-        for _ in range(24):
-            fh.write(os.urandom(8 * 2**20))
+        fh.writelines(os.urandom(8 * 2**20) for _ in range(24))
     common = ["--run-dir", out, "--out", set_dir, "--s3", url, "--endpoint-url", rgw.endpoint_url, "--include", big]
     try:
         assert wait_for(lambda: len(events(out, "checkpoint")) >= 2, 240), "the trainer wrote no checkpoints"
