@@ -94,12 +94,13 @@ def classify(cmd: list[str], name: str) -> tuple[str, str] | None:
     line = _joined(cmd)
     base = os.path.basename(cmd[0]) if cmd else name
     args = cmd[1:]
-    if ("trainer.cli" in args or base == "dflash" or any(a.endswith("/dflash") for a in cmd[:2])) and "train" in args:
-        return "trainer", "dflash train"
-    if "torchrun" in base or "torch.distributed.run" in line:
+    launcher = "torchrun" in base or any(a.endswith("/torchrun") for a in cmd[:2]) or "torch.distributed.run" in cmd[:3]
+    if launcher:
         if "trainer.cli" in line and "train" in args:
             return "trainer", "torchrun (dflash train)"
         return "unknown", "torchrun"
+    if ("trainer.cli" in args or base == "dflash" or any(a.endswith("/dflash") for a in cmd[:2])) and "train" in args:
+        return "trainer", "dflash train"
     if ("trainer.cli" in args or base == "dflash" or any(a.endswith("/dflash") for a in cmd[:2])) and (
         "monitor" in args or "status" in args
     ):
