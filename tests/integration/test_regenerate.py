@@ -1,0 +1,178 @@
+"""`dflash regenerate` on a tiny real target with a real (tiny, word-level) tokenizer and chat
+template: the dataset is in the trainer's format with the loss mask over the response only, the
+stop rule cuts at end of turn, the template and thinking mode are recorded, a run killed with
+SIGKILL continues where it stopped and gives the same dataset, the data gate accepts the output,
+and `dflash eval` warns when evaluation uses another thinking mode than the training data."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import datasets
+import numpy as np
+import pytest
+
+from tests.conftest import write_config
+from trainer.eval.prompts import write_prompt_file
+from trainer.regenerate import DATA_META, RegenerateError, RegenOptions, read_data_meta, regenerate
+
+pytestmark = pytest.mark.slow
+
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+DFLASH = [sys.executable, "-m", "trainer.cli"]
+SPECIAL = ["<pad>", "<s>", "</s>", "<unk>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "user", "assistant"]
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|> assistant "
+    "{% if enable_thinking is defined and not enable_thinking %}<think> </think> {% endif %}{% endif %}"
+)
+IM_END = 5
+
+
+@pytest.fixture(scope="module")
+def chat_target(tmp_path_factory) -> Path:
+    """A tiny random Qwen3 with a word-level tokenizer (ids 10.. are words w10..w511) and a chat
+    template with a thinking switch. The head row of <|im_end|> copies (x1.05) the row of the token
+    its greedy answers use most, so responses really end a turn, as a chat model's do."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    from trainer.synth import tiny_target
+
+    folder = tiny_target(tmp_path_factory.mktemp("chat") / "target", seed=1)
+    vocab = {t: i for i, t in enumerate(SPECIAL)} | {f"w{i}": i for i in range(len(SPECIAL), 512)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                   unk_token="<unk>", additional_special_tokens=SPECIAL[4:8])
+    fast.chat_template = TEMPLATE
+    fast.save_pretrained(str(folder))
+    model = AutoModelForCausalLM.from_pretrained(str(folder))
+    rng = np.random.default_rng(0)
+    chats = [fast.apply_chat_template([{"role": "user", "content": " ".join(f"w{i}" for i in rng.integers(10, 512, 8))}],
+                                      add_generation_prompt=True, tokenize=True, enable_thinking=bool(k % 2))
+             for k in range(16)]
+    chats = [c["input_ids"] if hasattr(c, "keys") else c for c in chats]
+    with torch.no_grad():
+        counts = torch.zeros(512, dtype=torch.long)
+        for c in chats:  # the tokens greedy answers use most: the end of turn takes the top one's place
+            out = model.generate(torch.tensor([c]), max_new_tokens=24, min_new_tokens=24, do_sample=False, pad_token_id=0)
+            counts += torch.bincount(out[0, len(c):], minlength=512)
+        counts[:10] = 0
+        model.lm_head.weight[IM_END] = model.lm_head.weight[int(counts.argmax())] * 1.05
+    model.save_pretrained(str(folder))
+    return folder
+
+
+def prompts_file(path: Path, n: int, seed: int = 0) -> Path:
+    rng = np.random.default_rng(seed)
+    rows = [{"prompt": " ".join(f"w{i}" for i in rng.integers(10, 512, size=rng.integers(4, 12)))} for _ in range(n)]
+    rows[0] = {"messages": [{"role": "user", "content": "w11 w12 w13"}, {"role": "assistant", "content": "w14"},
+                            {"role": "user", "content": "w15 w16"}]}
+    return write_prompt_file(path, rows)
+
+
+def test_dataset_format_mask_stop_rule_metadata_and_data_gate(chat_target, tmp_path):
+    from trainer.config import load_config
+    from trainer.eval.prompts import load_tokenizer
+    from trainer.preflight import run_preflight
+
+    out = regenerate(RegenOptions(chat_target, prompts_file(tmp_path / "p.jsonl", 24), tmp_path / "ds",
+                                  max_new_tokens=40, batch_size=8, thinking="off"))
+    ds = datasets.load_from_disk(str(out))
+    assert ds.column_names == ["input_ids", "loss_mask"] and len(ds) == 24
+    tok = load_tokenizer(chat_target)
+    stopped = 0
+    for ids, mask in zip(ds["input_ids"], ds["loss_mask"]):
+        assert len(ids) == len(mask)
+        plen = mask.index(1)
+        assert set(mask[:plen]) == {0} and set(mask[plen:]) == {1}, "mask must cover exactly the response"
+        prompt = tok.decode(ids[:plen])
+        assert prompt.startswith("<|im_start|> user") and prompt.endswith("<|im_start|> assistant <think> </think>")
+        response = ids[plen:]
+        assert IM_END not in response[:-1], "nothing may follow the end of turn"
+        stopped += response[-1] == IM_END
+        assert len(response) <= 40
+    meta = read_data_meta(out)
+    assert meta["stopped_by_stop_token"] == stopped > 0 and meta["samples"] == 24
+    assert meta["template"]["chat_template"] is True and meta["template"]["thinking"] == "off"
+    assert meta["template"]["template_sha256"] and IM_END in meta["stop_token_ids"]
+    assert meta["response_tokens_total"] == sum(sum(m) for m in ds["loss_mask"])
+    assert not (tmp_path / ".ds.partial").exists()
+    cfg = write_config(tmp_path / "run.yaml", chat_target, out, tmp_path / "run",
+                       drafter={"mask_token_id": 511}, preflight={"min_supervised_tokens": 2})
+    report = run_preflight(load_config(cfg))
+    data_problems = [p for p in report.errors if p.code.startswith("data.")]
+    assert data_problems == [] and report.data["usable"] == 24
+
+
+def test_resumes_after_kill_9_with_the_same_result(chat_target, tmp_path):
+    prompts = prompts_file(tmp_path / "p.jsonl", 40)
+    args = ["--target", chat_target, "--prompts", prompts, "--max-new-tokens", 32, "--batch-size", 2]
+    opts = RegenOptions(chat_target, prompts, tmp_path / "ref", max_new_tokens=32, batch_size=2)
+    ref = regenerate(opts)
+    out = tmp_path / "ds"
+    partial = tmp_path / ".ds.partial"
+    proc = subprocess.Popen([*DFLASH, "regenerate", *map(str, args), "--out", str(out)], env=ENV,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        end = time.monotonic() + 240
+        while time.monotonic() < end and len(list(partial.glob("batch-*.json"))) < 3:
+            time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    done_before = len(list(partial.glob("batch-*.json")))
+    assert 3 <= done_before < 20, f"kill landed at {done_before} of 20 batches"
+    assert not out.exists(), "a killed run must not leave a dataset under the final name"
+    res = subprocess.run([*DFLASH, "regenerate", *map(str, args), "--out", str(out)], check=False, env=ENV,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "resuming:" in res.stdout and "of 20 batches already done" in res.stdout
+    a, b = datasets.load_from_disk(str(ref)), datasets.load_from_disk(str(out))
+    assert a["input_ids"] == b["input_ids"] and a["loss_mask"] == b["loss_mask"]
+    # a finished dataset is not regenerated; other settings on a partial run are refused
+    opts.out = out
+    assert regenerate(opts) == out
+    other = tmp_path / ".ds2.partial"
+    other.mkdir()
+    (other / "plan.json").write_text(json.dumps({"max_new_tokens": 7}))
+    opts.out = tmp_path / "ds2"
+    with pytest.raises(RegenerateError, match="partial run with other settings"):
+        regenerate(opts)
+
+
+def test_eval_warns_when_thinking_mode_differs_from_training_data(chat_target, tmp_path):
+    out = regenerate(RegenOptions(chat_target, prompts_file(tmp_path / "p.jsonl", 16), tmp_path / "ds",
+                                  max_new_tokens=32, batch_size=8, thinking="on"))
+    cfg = write_config(tmp_path / "run.yaml", chat_target, out, tmp_path / "run",
+                       drafter={"mask_token_id": 511, "block_size": 4},
+                       train={"max_steps": 3, "checkpoint_every": 3, "max_tokens_per_batch": 256, "max_anchors": 16},
+                       preflight={"min_supervised_tokens": 2})
+    res = subprocess.run([*DFLASH, "train", "--config", str(cfg)], check=False, env=ENV, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    evalp = prompts_file(tmp_path / "e.jsonl", 2, seed=3)
+    common = ["eval", "--drafter", str(tmp_path / "run"), "--target", str(chat_target), "--prompts", str(evalp),
+              "--max-new-tokens", "8"]
+    res = subprocess.run([*DFLASH, *common, "--thinking", "off", "--out", str(tmp_path / "off.json")], check=False,
+                         env=ENV, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rep = json.loads((tmp_path / "off.json").read_text())
+    assert any("thinking: data 'on', here 'off'" in w for w in rep["warnings"]), rep["warnings"]
+    assert "WARNING" in res.stderr and rep["training_data_template"]["thinking"] == "on"
+    res = subprocess.run([*DFLASH, *common, "--thinking", "on", "--out", str(tmp_path / "on.json")], check=False,
+                         env=ENV, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and json.loads((tmp_path / "on.json").read_text())["warnings"] == []
+    # an export carries the data's settings along
+    exp = subprocess.run([*DFLASH, "export", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "exp")],
+                         check=False, env=ENV, capture_output=True, text=True, timeout=300)
+    assert exp.returncode == 0, exp.stderr[-2000:]
+    assert json.loads((tmp_path / "exp" / DATA_META).read_text())["template"]["thinking"] == "on"
