@@ -35,8 +35,18 @@ def load_steps(set_dir: Path) -> dict[str, Any]:
 
 
 def save_step(set_dir: Path, step: str, report: dict[str, Any]) -> Path:
+    """Record a step's report. A report that says the same as the recorded one up to per-run figures
+    (timings, what this run happened to send) leaves the file alone, so an unchanged node keeps
+    unchanged files (a fetch of the set then moves nothing)."""
     p = Path(set_dir) / STATE_DIR / f"{step}.json"
-    atomic_write_text(p, json.dumps(report, indent=1, default=str) + "\n")
+    new = json.loads(json.dumps(report, default=str))
+    if p.is_file():
+        try:
+            if _stable(json.loads(p.read_text())) == _stable(new):
+                return p
+        except ValueError:
+            pass
+    atomic_write_text(p, json.dumps(new, indent=1) + "\n")
     return p
 
 
@@ -216,6 +226,9 @@ def write_notes(set_dir: Path) -> dict[str, Any]:
     ok, reasons = verdict(steps)
     text = render_notes(set_dir, steps)
     report = {"report_version": 1, "node_can_go": ok, "reasons": reasons, **_stable(steps)}
+    old = [(set_dir / n).read_text() if (set_dir / n).is_file() else None for n in (NOTES_NAME, REPORT_NAME)]
     atomic_write_text(set_dir / NOTES_NAME, text)
     atomic_write_text(set_dir / REPORT_NAME, json.dumps(report, indent=1, default=str, sort_keys=True) + "\n")
-    return {"notes": str(set_dir / NOTES_NAME), "report": str(set_dir / REPORT_NAME), "node_can_go": ok, "reasons": reasons}
+    new = [(set_dir / n).read_text() for n in (NOTES_NAME, REPORT_NAME)]
+    return {"notes": str(set_dir / NOTES_NAME), "report": str(set_dir / REPORT_NAME), "node_can_go": ok,
+            "reasons": reasons, "changed": old != new}
