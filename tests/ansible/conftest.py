@@ -97,6 +97,26 @@ class Result:
         return self.rc == 0 and self.status == "successful"
 
 
+ROLE_PLAYBOOK = str(Path(__file__).parent / "playbooks" / "role.yml")
+
+
+@pytest.fixture(scope="session")
+def provision_vars(wheel_cache, repo_snapshot):
+    return {"python_env_wheel_cache": str(wheel_cache), "python_env_python": "system",
+            "python_env_torch_kind": "cpu", "python_env_repo": str(repo_snapshot)}
+
+
+@pytest.fixture(scope="session")
+def provisioned(bed, provision_vars, tmp_path_factory):
+    """python_env on every test host once (the trainer's venv from the wheel cache): later roles need
+    `dflash` on the hosts. Returns the first run's result (the python_env test checks it)."""
+    work = tmp_path_factory.mktemp("provision")
+    inv = bed.inventory(work / "inv.yml")
+    res = Runner(work).run(ROLE_PLAYBOOK, inv, extravars={"test_role": "python_env", **provision_vars})
+    assert res.ok(), res.stdout[-4000:]
+    return res
+
+
 @pytest.fixture
 def runner(tmp_path):
     return Runner(tmp_path)

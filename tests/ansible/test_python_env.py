@@ -1,40 +1,40 @@
-"""python_env on a real SSH host: uv from its PyPI wheel, a venv with the CPU recipe, the trainer package,
-all installed from the controller's wheel cache (--no-index: the host downloads nothing)."""
+"""python_env on real SSH hosts: uv from its PyPI wheel, a venv with the CPU recipe, the trainer package,
+all installed from the controller's wheel cache (--no-index: the hosts download nothing)."""
 
-import json
-from pathlib import Path
-
-ROLE = str(Path(__file__).parent / "playbooks" / "role.yml")
+from tests.ansible.conftest import ROLE_PLAYBOOK as ROLE
 
 
-def test_python_env_installs_the_trainer_from_the_wheel_cache(bed, runner, wheel_cache, repo_snapshot, tmp_path):
+def test_python_env_installs_the_trainer_from_the_wheel_cache(bed, provisioned, provision_vars, runner, wheel_cache,
+                                                               repo_snapshot, tmp_path):
+    assert provisioned.ok()
+    for host in bed.hosts.values():
+        venv = host.root / "venv"
+        # the venv is real and works over SSH: the CLI answers and torch is the CPU build from the cache
+        r = host.ssh(bed, f"{venv}/bin/dflash plan --help && {venv}/bin/python -c 'import torch, trainer; print(torch.__version__)'")
+        assert "--target-config" in r.stdout and "2.13.0+cpu" in r.stdout
+        assert (host.root / "wheels" / next(p.name for p in wheel_cache.glob("torch-*.whl"))).is_file()
     inv = bed.inventory(tmp_path / "inv.yml")
-    ev = {"test_role": "python_env", "python_env_wheel_cache": str(wheel_cache), "python_env_python": "system",
-          "python_env_torch_kind": "cpu", "python_env_repo": str(repo_snapshot)}
-    first = runner.run(ROLE, inv, limit="node-a", extravars=ev)
-    assert first.ok(), first.stdout[-4000:]
-    host = bed.hosts["node-a"]
-    venv = host.root / "venv"
-    # the venv is real and works over SSH: the CLI answers and torch is the CPU build from the cache
-    r = host.ssh(bed, f"{venv}/bin/dflash plan --help && {venv}/bin/python -c 'import torch, trainer; print(torch.__version__)'")
-    assert "--target-config" in r.stdout and "2.13.0+cpu" in r.stdout
-    # nothing came from an index: every wheel in the venv is one of the cache's
-    assert (host.root / "wheels" / next(p.name for p in wheel_cache.glob("torch-*.whl"))).is_file()
+    ev = {"test_role": "python_env", **provision_vars}
+    host, venv = bed.hosts["node-a"], bed.hosts["node-a"].root / "venv"
     second = runner.run(ROLE, inv, limit="node-a", extravars=ev)
     assert second.ok() and second.changed("node-a") == 0, second.changed_tasks()
-    # --check tells the truth: nothing to do now; after a source change, exactly the sync and the re-install
+    # --check tells the truth: nothing to do now; after a source change, exactly the sync (and the
+    # install, which a command cannot dry-run: reported as skipped)
     check = runner.run(ROLE, inv, limit="node-a", extravars=ev, check=True)
     assert check.ok() and check.changed("node-a") == 0, check.changed_tasks()
     with open(repo_snapshot / "trainer" / "plan.py", "a") as fh:
         fh.write("\nTEST_MARKER = 1\n")
-    check = runner.run(ROLE, inv, limit="node-a", extravars=ev, check=True)
-    assert check.ok() and "TEST_MARKER" not in (host.root / "src" / "trainer" / "plan.py").read_text()
-    assert check.changed_tasks("node-a") == ["Push the trainer's source (pyproject.toml, trainer/, requirements/)"]
-    # commands cannot dry-run: ansible reports the install as skipped in check mode, not as done
-    assert check.task_results("Install the trainer package from the synced source", "node-a")[0].get("skipped")
-    third = runner.run(ROLE, inv, limit="node-a", extravars=ev)
-    assert third.ok() and third.changed_tasks("node-a") == [
-        "Push the trainer's source (pyproject.toml, trainer/, requirements/)",
-        "Install the trainer package from the synced source"]
-    r = host.ssh(bed, f"{venv}/bin/python -c 'import trainer.plan as p; print(p.TEST_MARKER)'")
-    assert r.stdout.strip() == "1"  # the installed package is the new source
+    try:
+        check = runner.run(ROLE, inv, limit="node-a", extravars=ev, check=True)
+        assert check.ok() and "TEST_MARKER" not in (host.root / "src" / "trainer" / "plan.py").read_text()
+        assert check.changed_tasks("node-a") == ["Push the trainer's source (pyproject.toml, trainer/, requirements/)"]
+        assert check.task_results("Install the trainer package from the synced source", "node-a")[0].get("skipped")
+        third = runner.run(ROLE, inv, limit="node-a", extravars=ev)
+        assert third.ok() and third.changed_tasks("node-a") == [
+            "Push the trainer's source (pyproject.toml, trainer/, requirements/)",
+            "Install the trainer package from the synced source"]
+        r = host.ssh(bed, f"{venv}/bin/python -c 'import trainer.plan as p; print(p.TEST_MARKER)'")
+        assert r.stdout.strip() == "1"  # the installed package is the new source
+    finally:
+        text = (repo_snapshot / "trainer" / "plan.py").read_text().replace("\nTEST_MARKER = 1\n", "")
+        (repo_snapshot / "trainer" / "plan.py").write_text(text)

@@ -1,0 +1,128 @@
+"""data_sync on real SSH hosts with real rsync: push, idempotence, repair of a corrupted copy, a transfer
+killed mid-way then re-run, and a host -> host relay through the controller."""
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+from tests.ansible.conftest import REPO
+from tests.ansible.conftest import ROLE_PLAYBOOK as ROLE
+
+
+def make_tree(root: Path, big_mb: int = 4) -> Path:
+    (root / "shards" / "train").mkdir(parents=True)
+    for i in range(3):
+        (root / "shards" / "train" / f"part-{i}.arrow").write_bytes(os.urandom(big_mb * 2**20 + i))
+    (root / "dataset_info.json").write_text('{"rows": 3}\n')
+    (root / "state.json").write_text('{"fingerprint": "abc"}\n')
+    return root
+
+
+def digests(root: Path) -> dict[str, str]:
+    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file() and ".rsync-partial" not in p.parts}
+
+
+def test_push_is_verified_idempotent_and_repairs(bed, provisioned, runner, tmp_path):
+    src = make_tree(tmp_path / "data")
+    host = bed.hosts["node-a"]
+    dest = host.root / "data" / "tokenized"
+    inv = bed.inventory(tmp_path / "inv.yml")
+    ev = {"test_role": "data_sync", "data_sync_manifest_dir": str(tmp_path / "manifests"),
+          "data_sync_items": [{"name": "tokenized", "src": str(src), "dest": str(dest)}]}
+    first = runner.run(ROLE, inv, limit="node-a", extravars=ev)
+    assert first.ok(), first.stdout[-3000:]
+    assert digests(dest) == digests(src)
+    second = runner.run(ROLE, inv, limit="node-a", extravars=ev)
+    assert second.ok() and second.changed("node-a") == 0, second.changed_tasks()
+    # same size, same mtime, other bytes: rsync's quick check would miss it; the manifest does not
+    victim = dest / "shards" / "train" / "part-1.arrow"
+    st = victim.stat()
+    with open(victim, "r+b") as fh:
+        fh.seek(1000)
+        fh.write(b"\x00" * 64)
+    os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))
+    (dest / "state.json").unlink()
+    third = runner.run(ROLE, inv, limit="node-a", extravars=ev)
+    assert third.ok(), third.stdout[-3000:]
+    before = third.task_results("Check the host's copy against the manifest: tokenized", "node-a")[0]["stdout"]
+    assert '"missing": ["state.json"]' in before and "shards/train/part-1.arrow" in before
+    assert third.changed_tasks("node-a") == ["Copy what is missing or different (resumable): tokenized"]
+    assert digests(dest) == digests(src)
+
+
+def test_transfer_killed_midway_then_rerun_completes(bed, provisioned, tmp_path):
+    src = tmp_path / "big"
+    src.mkdir()
+    size = 256 * 2**20
+    with open(src / "model.safetensors", "wb") as fh:
+        fh.writelines(os.urandom(2**20) for _ in range(size // 2**20))
+    host = bed.hosts["node-b"]
+    dest = host.root / "target"
+    inv = bed.inventory(tmp_path / "inv.yml")
+    extra = (f'{{"test_role": "data_sync", "data_sync_manifest_dir": "{tmp_path}/manifests", '
+             f'"data_sync_bwlimit_kbps": 32768, '
+             f'"data_sync_items": [{{"name": "target", "src": "{src}", "dest": "{dest}"}}]}}')
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+           "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "ANSIBLE_HOST_KEY_CHECKING": "True"}
+    cmd = [str(Path(sys.executable).parent / "ansible-playbook"), "-i", str(inv), "-l", "node-b", "-e", extra, ROLE]
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    partial = dest / ".rsync-partial" / "model.safetensors"
+    deadline = time.monotonic() + 240
+    landed = 0
+    while time.monotonic() < deadline and proc.poll() is None:
+        # the receiver writes into a hidden temp name, moved to the partial dir if the transfer dies
+        tmp = [p for p in dest.glob(".model.safetensors.*")] + ([partial] if partial.exists() else [])
+        landed = max([p.stat().st_size for p in tmp], default=0)
+        if landed > size * 0.4:
+            break
+        time.sleep(0.2)
+    assert proc.poll() is None, "the transfer finished before it could be killed"
+    # ansible-playbook and everything under it (its workers start rsync in sessions of their own), at once
+    tree = psutil.Process(proc.pid).children(recursive=True)
+    assert any(p.name() == "rsync" for p in tree), [p.name() for p in tree]
+    for p in [psutil.Process(proc.pid), *tree]:
+        try:
+            p.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait()
+    for _ in range(50):  # the remote rsync notices the dead link and keeps what it has in the partial dir
+        if partial.exists() and not list(dest.glob(".model.safetensors.*")):
+            break
+        time.sleep(0.2)
+    kept = partial.stat().st_size
+    assert size * 0.3 < kept < size, (kept, size)
+    assert not (dest / "model.safetensors").exists()
+    r = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, check=False)
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert digests(dest) == digests(src)
+    # the re-run sent only what was missing: rsync's own count of literal (non-matched) bytes
+    literal = [line for line in r.stdout.splitlines() if "Literal data:" in line]
+    assert literal, r.stdout[-2000:]
+    sent = int(literal[-1].split("Literal data:")[1].split()[0].replace(",", "").strip("'\""))
+    assert sent <= size - kept + 2**20, (sent, size, kept)
+
+
+def test_host_to_host_relay_through_the_controller(bed, provisioned, runner, tmp_path):
+    a, b = bed.hosts["node-a"], bed.hosts["node-b"]
+    src = make_tree(a.root / "ckpt-src", big_mb=2)
+    stage = tmp_path / "stage" / "ckpt"
+    dest = b.root / "ckpt-copy"
+    inv = bed.inventory(tmp_path / "inv.yml")
+    pull = runner.run(ROLE, inv, limit="node-a", extravars={
+        "test_role": "data_sync", "data_sync_items": [{"name": "ckpt", "src": str(src), "dest": str(stage), "direction": "pull"}]})
+    assert pull.ok(), pull.stdout[-3000:]
+    push = runner.run(ROLE, inv, limit="node-b", extravars={
+        "test_role": "data_sync", "data_sync_manifest_dir": str(tmp_path / "manifests"),
+        "data_sync_items": [{"name": "ckpt", "src": str(stage), "dest": str(dest)}]})
+    assert push.ok(), push.stdout[-3000:]
+    assert digests(dest) == digests(src)
+    assert (a.root / "ckpt-src.manifest.json").is_file()  # the source host's own manifest proves the chain
