@@ -1,0 +1,120 @@
+"""The model-free parts of eval/regenerate: prompt files, template settings, report arithmetic,
+batch planning and the stop rule, the side-by-side table, the CLI surface."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from trainer.eval.harness import PromptResult, _finish
+from trainer.eval.prompts import PromptError, TemplateSettings, read_prompt_file, resolve_settings
+from trainer.eval.report import aggregate, render_markdown, render_table
+from trainer.regenerate import cut_response, plan_batches
+
+
+def write(tmp_path, text: str):
+    p = tmp_path / "p.jsonl"
+    p.write_text(text)
+    return p
+
+
+def test_prompt_file_kinds_limit_and_errors(tmp_path):
+    p = write(tmp_path, '{"prompt": "hi"}\n\n{"messages": [{"role": "user", "content": "x"}]}\n{"input_ids": [1, 2]}\n')
+    lines = read_prompt_file(p)
+    assert [(line.index, line.kind) for line in lines] == [(0, "prompt"), (1, "messages"), (2, "input_ids")]
+    assert len(read_prompt_file(p, limit=2)) == 2
+    bad = {
+        '{"prompt": ""}\n': "non-empty string",
+        '{"input_ids": [1, -2]}\n': "non-negative ints",
+        '{"messages": [{"role": "user"}]}\n': "{role, content}",
+        '{"text": "x"}\n': "exactly one of",
+        '[1, 2]\n': "exactly one of",
+        "\n": "has no prompts",
+        '{"prompt": "a"}\n{oops}\n': "p.jsonl:2: not valid JSON",
+    }
+    for text, message in bad.items():
+        with pytest.raises(PromptError, match=message.replace("{", r"\{").replace("}", r"\}")):
+            read_prompt_file(write(tmp_path, text))
+
+
+def test_template_settings_resolve_and_differences():
+    class Tok:
+        chat_template = "{{ messages }}"
+
+    s = resolve_settings(Tok(), None, "on")
+    assert s.chat_template and s.thinking == "on" and len(s.template_sha256) == 64
+    assert resolve_settings(None, None, None) == TemplateSettings(False, None, None)
+    with pytest.raises(PromptError, match="no chat template"):
+        resolve_settings(None, True, None)
+    with pytest.raises(PromptError, match="needs the chat template"):
+        resolve_settings(Tok(), False, "off")
+    data = {"chat_template": True, "thinking": "off", "template_sha256": s.template_sha256}
+    assert s.differences(data) == ["thinking: data 'off', here 'on'"]
+    assert s.differences(None) == [] and s.differences(s.to_dict()) == []
+
+
+def test_aggregate_tau_positions_histogram():
+    a = PromptResult(4, [5, 6, 7, 8, 9], accepted=[3, 0], wall_s=1.0)
+    b = PromptResult(4, [1, 2], accepted=[1], wall_s=1.0)
+    agg = aggregate([a, b], block_size=4)
+    assert agg["tau"] == pytest.approx((4 + 1 + 2) / 3) and agg["rounds"] == 3
+    assert agg["per_position_acceptance"] == pytest.approx([2 / 3, 1 / 3, 1 / 3])
+    assert agg["acceptance_histogram"] == {"0": 1, "1": 1, "2": 0, "3": 1}
+    assert agg["new_tokens"] == 7 and agg["tokens_per_s"] == pytest.approx(3.5)
+    assert a.tau == 2.5 and PromptResult(1, [2]).tau is None
+    assert aggregate([PromptResult(1, [2])], 4)["tau"] is None
+
+
+def test_finish_truncates_at_length_and_after_stop_token():
+    assert _finish([1, 2, 3, 4], 3, set()) == ([1, 2, 3], "length")
+    assert _finish([1, 9, 3, 9], 10, {9}) == ([1, 9], "stop_token")
+    assert _finish([1, 2, 3, 9], 3, {9}) == ([1, 2, 3], "length")
+
+
+def test_plan_batches_and_cut_response():
+    prompts = [[1] * n for n in (5, 2, 9, 2, 5)]
+    batches = plan_batches(prompts, 2)
+    assert batches == [[1, 3], [0, 4], [2]]
+    assert sorted(i for b in batches for i in b) == list(range(5))
+    assert cut_response([4, 5, 2, 7, 7], {2}) == ([4, 5, 2], True)
+    assert cut_response([4, 5], {2}) == ([4, 5], False)
+
+
+def test_markdown_and_table_render_the_figures():
+    rep = {
+        "label": "mine", "drafter": "d", "target": "t", "prompts": "p", "num_prompts": 1, "max_new_tokens": 4,
+        "mode": "cached", "block_size": 3, "device": "cpu", "tau": 1.5, "rounds": 2, "new_tokens": 3,
+        "tokens_per_s": 10.0, "wall_s": 1.0, "per_position_acceptance": [0.5, 0.0],
+        "acceptance_histogram": {"0": 1, "1": 1, "2": 0}, "warnings": ["w!"],
+        "lossless": {"checked": 1, "matched": 1, "ok": True, "target_tokens_per_s": 20.0},
+        "per_prompt": [{"index": 0, "prompt_tokens": 2, "new_tokens": 3, "rounds": 2, "tau": 1.5,
+                        "stopped": "length", "lossless": True}],
+    }
+    md = render_markdown(rep, "r.png")
+    assert "**1.500**" in md and "| accepted | 0.500 | 0.000 |" in md and "ok (1/1)" in md
+    assert "> **warning**: w!" in md and "![acceptance](r.png)" in md
+    table = render_table([rep, {**rep, "label": "other", "tau": 1.25, "block_size": 2,
+                                "per_position_acceptance": [0.25]}])
+    lines = table.splitlines()
+    assert lines[0].split()[:3] == ["drafter", "tau", "tok/s"] and "p2" in lines[0]
+    assert lines[2].split() == ["mine", "1.500", "10.0", "0.50", "0.00"]
+    assert lines[3].split() == ["other", "1.250", "10.0", "0.25", "-"]
+
+
+def test_cli_parses_the_issue3_verbs_and_stays_light():
+    import subprocess
+    import sys
+
+    from trainer.cli import build_parser
+
+    args = build_parser().parse_args(["eval", "--drafter", "a", "--drafter", "b", "--target", "t", "--prompts", "p",
+                                      "--out", "r.json", "--check-lossless", "all", "--thinking", "off"])
+    assert [str(d) for d in args.drafter] == ["a", "b"] and args.check_lossless == -1 and args.thinking == "off"
+    args = build_parser().parse_args(["regenerate", "--target", "t", "--prompts", "p", "--out", "o"])
+    assert args.backend == "transformers" and args.max_new_tokens == 256 and args.chat_template is None
+    args = build_parser().parse_args(["export", "--checkpoint", "c", "--out", "o", "--dtype", "bfloat16"])
+    assert args.dtype == "bfloat16"
+    code = "import sys, trainer.cli as c; c.build_parser(); print(json.dumps(sorted(m for m in ('torch', 'transformers', 'speculators') if m in sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", "import json; " + code], capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout) == [], "building the CLI must not import heavy modules"
