@@ -71,7 +71,7 @@ def cmd_config(args) -> int:
 def cmd_demo(args) -> int:
     from trainer.demo import run_demo
 
-    return run_demo(args.out, steps=args.steps, tiny=args.tiny)
+    return run_demo(args.out, steps=args.steps, tiny=args.tiny, prepare_only=args.prepare_only)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -105,6 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=Path("runs/demo"))
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--tiny", action="store_true", help="a random tiny target instead of SmolLM2-135M")
+    p.add_argument("--prepare-only", action="store_true",
+                   help="write target, data and run.yaml, print their paths as JSON, do not train (train.yml -l local)")
     p.set_defaults(func=cmd_demo)
 
     # --- verbs of issue #3 (eval, export, regenerate): add below this line

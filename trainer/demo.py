@@ -33,10 +33,13 @@ def _prepare(out: Path, tiny: bool, samples: int) -> dict:
     return {"target": target, "data": data, "aux": [2, 9, 16, 23, 29], "mask": 16, "block": 8, "tokens": 512}
 
 
-def run_demo(out: Path, steps: int = 40, tiny: bool = False, samples: int = 48) -> int:
+def run_demo(out: Path, steps: int = 40, tiny: bool = False, samples: int = 48, prepare_only: bool = False) -> int:
+    """prepare_only: write the target, data and run.yaml, print their paths as JSON, train nothing (the
+    train.yml play on the `local` group starts the run as a service instead)."""
+    import json
+
     from trainer.config import load_config
-    from trainer.loop import train
-    from trainer.summary import render_summary
+    from trainer.fsutil import atomic_write_text
 
     out = Path(out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -50,7 +53,17 @@ def run_demo(out: Path, steps: int = 40, tiny: bool = False, samples: int = 48) 
         "out_dir": str(out / "run"),
     }
     cfg_path = out / "run.yaml"
-    cfg_path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    text = yaml.safe_dump(raw, sort_keys=False)
+    if not cfg_path.exists() or cfg_path.read_text() != text:
+        atomic_write_text(cfg_path, text)
+    if prepare_only:
+        load_config(cfg_path)  # a config that does not validate fails here, before any service starts
+        print(json.dumps({"config": str(cfg_path), "target": str(p["target"]), "data": str(p["data"]),
+                          "out_dir": raw["out_dir"], "run_config": raw}))
+        return 0
+    from trainer.loop import train
+    from trainer.summary import render_summary
+
     print(f"demo: run config {cfg_path}", flush=True)
     code = train(load_config(cfg_path))
     if (out / "run" / "events.jsonl").exists():
