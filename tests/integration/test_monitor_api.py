@@ -8,6 +8,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -247,6 +248,19 @@ def test_cli_status_one_screen_and_json(tmp_path):
     res = subprocess.run([*DFLASH, "status", "--run-dir", str(tmp_path), "--run", "nope"],
                          capture_output=True, text=True, timeout=60, env=ENV, check=False)
     assert res.returncode == 2 and "no run 'nope'" in res.stdout
+
+
+def test_cli_status_watch_follows_the_run_until_ctrl_c(tmp_path):
+    w = write_run(tmp_path, steps=2, total=10)
+    proc = subprocess.Popen([*DFLASH, "status", "--run-dir", str(tmp_path), "--watch", "--interval", "0.2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**ENV, "COLUMNS": "120"})
+    time.sleep(3)  # started and drawing
+    w.emit("step", step=7, total_steps=10, tokens=700, loss=0.3)
+    time.sleep(1.5)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err[-2000:]
+    assert "step 7 / 10" in out and "Traceback" not in err
 
 
 def test_monitor_and_status_import_no_heavy_stack():

@@ -1,14 +1,18 @@
 """The "Watch a run" page: in the nav, with the tunnel command, the screenshot, and every option of
-`dflash monitor` / `dflash status` (kept current against the real parser)."""
+`dflash monitor` / `dflash status` (kept current against the real parser); the page's assets ship in the
+package."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
+import tomllib
+
 import yaml
 
 from trainer.cli import build_parser
+from trainer.monitor.server import load_static
 
 REPO = Path(__file__).resolve().parents[2]
 PAGE = REPO / "docs" / "monitor.md"
@@ -38,3 +42,13 @@ def test_every_option_is_documented():
     documented = set(re.findall(r"`(--[a-z-]+)", text))
     missing = (options("monitor") | options("status")) - documented
     assert not missing, f"options missing from docs/monitor.md: {sorted(missing)}"
+
+
+def test_static_assets_are_package_data_and_all_served():
+    data = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    assert "static/*" in data["trainer.monitor"]
+    on_disk = {p.name for p in (REPO / "trainer" / "monitor" / "static").iterdir() if p.is_file()}
+    assert set(load_static()) == on_disk >= {"index.html", "app.js", "style.css"}
+    for name, (body, _) in load_static().items():  # no CDN: nothing is fetched from outside the package
+        body = body.replace(b'xmlns="http://www.w3.org/2000/svg"', b"")  # a namespace name, not a fetch
+        assert b"http://" not in body and b"https://" not in body and b"//cdn" not in body, name

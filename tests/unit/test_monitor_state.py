@@ -208,6 +208,23 @@ def test_run_monitor_follows_a_real_writer_and_serves_events_by_index(tmp_path):
     assert seq == 5 and len(lines) == 2
 
 
+def test_run_monitor_starts_over_when_the_stream_is_replaced(tmp_path):
+    w = EventWriter(tmp_path, "old")
+    w.emit("run_start", totals={"total_steps": 10, "total_tokens": 100})
+    for s in range(1, 8):
+        w.emit("step", step=s, total_steps=10, tokens=s, loss=1.0)
+    mon = RunMonitor(".", tmp_path)
+    mon.refresh()
+    assert mon.state.step == 7 and mon.state.run_id == "old"
+    os.rename(tmp_path / "events.jsonl", tmp_path / "events.jsonl.1")  # rotated away, a new run begins
+    w2 = EventWriter(tmp_path, "new")
+    w2.emit("run_start", totals={"total_steps": 5, "total_tokens": 50})
+    w2.emit("step", step=1, total_steps=5, tokens=1, loss=2.0)
+    assert mon.refresh()
+    assert mon.state.run_id == "new" and mon.state.step == 1 and mon.state.total_steps == 5 and len(mon.offsets) == 2
+    assert [e["run_id"] for e in mon.events_since(0)["events"]] == ["new", "new"]
+
+
 def test_find_runs_lists_run_folders_and_a_pending_root(tmp_path):
     assert find_runs(tmp_path / "nothing-yet") == {".": tmp_path / "nothing-yet"}
     EventWriter(tmp_path / "a", "a").emit("run_start")

@@ -176,7 +176,8 @@ class RunState:
 
     def median_gap(self) -> float | None:
         """Median seconds between consecutive step events of the current start (for the stall alert)."""
-        return statistics.median(self._gaps) if self._gaps else None
+        gaps = [g for g in self._gaps if g > 0]  # events written in one burst say nothing about speed
+        return statistics.median(gaps) if gaps else None
 
     def eta_s(self) -> float | None:
         if self.finished or not self.total_steps:
