@@ -5,9 +5,8 @@ package."""
 from __future__ import annotations
 
 import re
-from pathlib import Path
-
 import tomllib
+from pathlib import Path
 
 import yaml
 
