@@ -112,6 +112,30 @@ def test_status_events_log_and_curves(tmp_path, served):
     assert resp.status == 400 and b"since must be an integer" in body
 
 
+def test_process_gone_without_run_end(tmp_path, served):
+    """A real process writes run_start with its pid and steps, then dies by kill -9 (no run_end)."""
+    code = ("import os, sys, time\nfrom pathlib import Path\nfrom trainer.events import EventWriter\n"
+            "w = EventWriter(Path(sys.argv[1]), 'victim')\n"
+            "w.emit('run_start', totals={'total_steps': 100, 'total_tokens': 1000}, pid=os.getpid())\n"
+            "for s in range(1, 4):\n    w.emit('step', step=s, total_steps=100, tokens=10 * s, loss=1.0)\n"
+            "print('ready', flush=True)\ntime.sleep(120)\n")
+    victim = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True, env=ENV)
+    try:
+        assert victim.stdout.readline().strip() == "ready"
+        srv = served()
+        deadline = time.monotonic() + 10
+        while srv.json("/api/status")["step"] != 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        st = srv.json("/api/status")
+        assert st["alive"] is True and st["pid"] == victim.pid and st["alerts"] == []
+    finally:
+        victim.kill()
+        victim.wait()
+    st = srv.json("/api/status")
+    (gone,) = [a for a in st["alerts"] if a["kind"] == "process_gone"]
+    assert st["alive"] is False and st["status"] == "running" and gone["level"] == "error" and str(victim.pid) in gone["message"]
+
+
 def test_metrics_parse_with_prometheus_client(tmp_path, served):
     write_run(tmp_path / "a", steps=4, total=8)
     w = write_run(tmp_path / "b", steps=2, total=2)
