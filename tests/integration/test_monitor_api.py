@@ -43,6 +43,19 @@ def write_run(out: Path, steps: int = 5, total: int = 10, end: str | None = None
     return w
 
 
+def fake_nvidia_smi(folder: Path) -> str:
+    """A stand-in `nvidia-smi` (there is no GPU here): prints two H200 rows for the monitor's query, the way
+    the real one does (`--format=csv,noheader,nounits`). Returns a PATH with it first."""
+    folder.mkdir(parents=True, exist_ok=True)
+    exe = folder / "nvidia-smi"
+    exe.write_text("#!/bin/sh\ncase \"$1\" in --query-gpu=index,name,utilization.gpu,memory.used,memory.total*) ;;"
+                   " *) echo unexpected query >&2; exit 9;; esac\n"
+                   "echo '0, NVIDIA H200, 97, 120000, 143771, 66, 650.12'\n"
+                   "echo '1, NVIDIA H200, 3, 1024, 143771, 35, [N/A]'\n")
+    exe.chmod(0o755)
+    return f"{folder}:{os.environ.get('PATH', '/usr/bin:/bin')}"
+
+
 class Served:
     def __init__(self, root: Path, host="127.0.0.1", token=None, allow_remote=False, **th):
         self.hub = Hub(root, Thresholds(**{"disk_min_bytes": 0, **th}), poll_s=0.05)
@@ -255,6 +268,22 @@ def test_cli_monitor_refuses_remote_and_serves_a_dir_that_does_not_exist_yet(tmp
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def test_gpu_stats_come_from_nvidia_smi_where_it_exists(tmp_path):
+    write_run(tmp_path / "run", steps=2)
+    env = {**ENV, "PATH": fake_nvidia_smi(tmp_path / "bin")}
+    res = subprocess.run([*DFLASH, "status", "--run-dir", str(tmp_path / "run"), "--json"], capture_output=True,
+                         text=True, timeout=60, env=env, check=False)
+    gpus = json.loads(res.stdout)["system"]["gpus"]
+    assert [(g["index"], g["util_percent"], g["mem_used_bytes"]) for g in gpus] == [(0, 97, 120000 * 2**20), (1, 3, 2**30)]
+    res = subprocess.run([*DFLASH, "status", "--run-dir", str(tmp_path / "run")], capture_output=True, text=True,
+                         timeout=60, env={**env, "COLUMNS": "120"}, check=False)
+    assert "GPU 0" in res.stdout and "util 97" in res.stdout and "no GPU seen" not in res.stdout
+    res = subprocess.run([*DFLASH, "status", "--run-dir", str(tmp_path / "run"), "--json"], capture_output=True,
+                         text=True, timeout=60, env={**ENV, "PATH": "/usr/bin:/bin"}, check=False)
+    snap = json.loads(res.stdout)
+    assert snap["system"]["gpus"] is None and snap["system"]["ram_total_bytes"] > 0  # CPU/RAM otherwise
 
 
 def test_cli_status_one_screen_and_json(tmp_path):

@@ -22,6 +22,7 @@ import pytest
 from playwright.sync_api import expect, sync_playwright
 
 from tests.conftest import write_config
+from tests.integration.test_monitor_api import fake_nvidia_smi
 from trainer.events import EventWriter
 from trainer.monitor.alerts import Thresholds
 from trainer.monitor.runs import Hub
@@ -78,7 +79,8 @@ def step_event(w: EventWriter, step: int, total: int, loss: float | str | None =
            position_acc=[0.7, 0.5, 0.3], tokens_per_s=2000.0, step_s=0.5, grad_norm=1.0)
 
 
-def test_live_updates_alerts_summary_and_selector(browser, tmp_path):
+def test_live_updates_alerts_summary_and_selector(browser, tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", fake_nvidia_smi(tmp_path / "bin"))  # no GPU here: a stand-in nvidia-smi
     root = tmp_path / "runs"
     w = EventWriter(root / "live", "run-live")
     start_event(w, 50, os.getpid())
@@ -118,6 +120,8 @@ def test_live_updates_alerts_summary_and_selector(browser, tmp_path):
         assert now_pct == pytest.approx(20.0) and now_pct > before
         expect(page.get_by_test_id("log")).to_contain_text("step 10/50 marker-10")
         expect(page.get_by_test_id("position-acc")).to_contain_text("0.70")
+        expect(page.get_by_test_id("machine")).to_contain_text("GPU 0 NVIDIA H200 util")
+        expect(page.get_by_test_id("machine")).to_contain_text("97%")
 
         # stall: no step for 3x the median gap (and at least 1.5 s)
         stall = page.locator("#alerts .alert[data-kind=stall]")
