@@ -36,6 +36,16 @@ def dflash(*args, timeout=300) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
+def dflash_here(capsys, *args) -> subprocess.CompletedProcess:
+    """`dflash ARGS` in this process (imports already paid for); output captured like a subprocess's."""
+    from trainer.cli import main
+
+    capsys.readouterr()
+    code = main([str(a) for a in args])
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, out.out, out.err)
+
+
 def rewire(src: Path, dst: Path, aux_ids: list[int]) -> Path:
     """A copy of a drafter whose config names other aux layers (the weights are unchanged)."""
     shutil.copytree(src, dst)
@@ -119,7 +129,7 @@ def test_miswired_drafter_scores_lower(trained_drafter, tiny_target, tmp_path, o
     assert taus["trained"] > taus["miswired"] + 0.02, taus
 
 
-def test_eval_cli_report_reference_and_comparison(trained_drafter, tiny_target, tmp_path):
+def test_eval_cli_report_reference_and_comparison(trained_drafter, tiny_target, tmp_path, capsys, one_thread):
     prompts = write_prompt_file(tmp_path / "p.jsonl", [{"input_ids": p} for p in tiny_prompts(6)])
     common = ["--target", tiny_target, "--prompts", prompts, "--max-new-tokens", 32, "--check-lossless", "all"]
     res = dflash("eval", "--drafter", trained_drafter, *common, "--out", tmp_path / "r" / "report.json")
@@ -139,14 +149,14 @@ def test_eval_cli_report_reference_and_comparison(trained_drafter, tiny_target, 
     assert (tmp_path / "r" / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "prompt/s" in res.stderr, "no progress bar"
 
-    ref = dflash("eval", "--drafter", trained_drafter, *common, "--reference", "--out", tmp_path / "ref.json")
+    ref = dflash_here(capsys, "eval", "--drafter", trained_drafter, *common, "--reference", "--out", tmp_path / "ref.json")
     assert ref.returncode == 0, ref.stderr[-3000:]
     rref = json.loads((tmp_path / "ref.json").read_text())
     assert rref["mode"] == "reference" and rref["tau"] == rep["tau"]
     assert [p["tokens"] for p in rref["per_prompt"]] == [p["tokens"] for p in rep["per_prompt"]]
 
     bad = rewire(read_latest(trained_drafter), tmp_path / "miswired", [0, 1])
-    cmp_ = dflash("eval", "--drafter", trained_drafter, "--drafter", bad, *common, "--block-size", 4,
+    cmp_ = dflash_here(capsys, "eval", "--drafter", trained_drafter, "--drafter", bad, *common, "--block-size", 4,
                   "--out", tmp_path / "cmp.json")
     assert cmp_.returncode == 0, cmp_.stderr[-3000:]
     doc = json.loads((tmp_path / "cmp.json").read_text())
@@ -179,9 +189,7 @@ def test_zlab_format_drafter_is_converted_with_its_layer_ids(trained_drafter, ti
         assert ra.tokens == rb.tokens and ra.accepted == rb.accepted
 
 
-def test_bad_inputs_fail_fast_with_clear_errors(trained_drafter, tiny_target, tmp_path):
-    from trainer.cli import main
-
+def test_bad_inputs_fail_fast_with_clear_errors(trained_drafter, tiny_target, tmp_path, capsys):
     good = write_prompt_file(tmp_path / "ok.jsonl", [{"input_ids": [5, 6, 7]}])
     base = ["eval", "--drafter", str(trained_drafter), "--target", str(tiny_target), "--out", str(tmp_path / "r.json")]
     bad_json = tmp_path / "bad.jsonl"
@@ -196,19 +204,16 @@ def test_bad_inputs_fail_fast_with_clear_errors(trained_drafter, tiny_target, tm
         (["--prompts", str(good), "--block-size", "1"], "--block-size must be at least 2"),
     ]
     for extra, message in cases:
-        err = tmp_path / "stderr.txt"
-        import contextlib
-
-        with open(err, "w") as fh, contextlib.redirect_stderr(fh):
-            code = main(base + extra)
-        assert code == 2 and message in err.read_text(), (extra, err.read_text())
-    res = dflash("eval", "--drafter", tmp_path / "nowhere", "--target", tiny_target, "--prompts", good,
-                 "--out", tmp_path / "r.json")
+        res = dflash_here(capsys, *base, *extra)
+        assert res.returncode == 2 and message in res.stderr, (extra, res.stderr)
+    res = dflash_here(capsys, "eval", "--drafter", tmp_path / "nowhere", "--target", tiny_target, "--prompts", good,
+                      "--out", tmp_path / "r.json")
     assert res.returncode == 2 and "no config.json there and no checkpoints/latest" in res.stderr
     other = tmp_path / "other-target"
     from trainer.synth import tiny_target as build
 
     build(other, hidden=32)
-    res = dflash("eval", "--drafter", trained_drafter, "--target", other, "--prompts", good, "--out", tmp_path / "r.json")
+    res = dflash_here(capsys, "eval", "--drafter", trained_drafter, "--target", other, "--prompts", good,
+                      "--out", tmp_path / "r.json")
     assert res.returncode == 2 and "trained for another target" in res.stderr
     assert not (tmp_path / "r.json").exists()

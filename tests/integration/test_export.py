@@ -54,26 +54,31 @@ def test_export_is_weights_only_and_reloads_bit_identically(trained_drafter, tin
     assert model.config.aux_hidden_state_layer_ids == [1, 2]
 
 
-def test_bf16_export_and_verifier_name(trained_drafter, tmp_path):
-    res = export("--checkpoint", read_latest(trained_drafter), "--out", tmp_path / "bf16", "--dtype", "bfloat16",
-                 "--verifier", "Org/Target-Model")
-    assert res.returncode == 0, res.stderr[-3000:]
+def test_bf16_export_and_verifier_name(trained_drafter, tmp_path, capsys):
+    from trainer.export import export as run_export
+
+    run_export(read_latest(trained_drafter), tmp_path / "bf16", dtype="bfloat16", verifier="Org/Target-Model")
+    res = capsys.readouterr()
     tensors = load_file(str(tmp_path / "bf16" / "model.safetensors"))
     assert {t.dtype for t in tensors.values()} == {torch.bfloat16}
     cfg = json.loads((tmp_path / "bf16" / "config.json").read_text())
     assert cfg["speculators_config"]["verifier"]["name_or_path"] == "Org/Target-Model"
-    assert "vllm serve Org/Target-Model --speculative-config" in res.stdout
+    assert "vllm serve Org/Target-Model --speculative-config" in res.out
 
 
 def test_export_refuses_corrupt_checkpoint_and_existing_out(trained_drafter, tmp_path):
+    from trainer.export import ExportError
+    from trainer.export import export as run_export
+
     bad = tmp_path / "bad"
     shutil.copytree(read_latest(trained_drafter), bad)
     with open(bad / "model.safetensors", "r+b") as fh:
         fh.seek(-8, os.SEEK_END)
         fh.write(b"\x00" * 8)
-    res = export("--checkpoint", bad, "--out", tmp_path / "x")
-    assert res.returncode == 2 and "does not verify" in res.stderr and not (tmp_path / "x").exists()
+    with pytest.raises(ExportError, match="does not verify"):
+        run_export(bad, tmp_path / "x")
+    assert not (tmp_path / "x").exists()
     (tmp_path / "taken").mkdir()
-    res = export("--checkpoint", trained_drafter, "--out", tmp_path / "taken")
-    assert res.returncode == 2 and "exists" in res.stderr
+    with pytest.raises(ExportError, match="exists: choose a new folder"):
+        run_export(trained_drafter, tmp_path / "taken")
     assert not list(tmp_path.glob(".*.tmp")), "a temp folder was left behind"

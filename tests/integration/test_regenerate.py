@@ -149,7 +149,9 @@ def test_resumes_after_kill_9_with_the_same_result(chat_target, tmp_path):
         regenerate(opts)
 
 
-def test_eval_warns_when_thinking_mode_differs_from_training_data(chat_target, tmp_path):
+def test_eval_warns_when_thinking_mode_differs_from_training_data(chat_target, tmp_path, capsys, one_thread):
+    from trainer.cli import main
+
     out = regenerate(RegenOptions(chat_target, prompts_file(tmp_path / "p.jsonl", 16), tmp_path / "ds",
                                   max_new_tokens=32, batch_size=8, thinking="on"))
     cfg = write_config(tmp_path / "run.yaml", chat_target, out, tmp_path / "run",
@@ -162,17 +164,13 @@ def test_eval_warns_when_thinking_mode_differs_from_training_data(chat_target, t
     evalp = prompts_file(tmp_path / "e.jsonl", 2, seed=3)
     common = ["eval", "--drafter", str(tmp_path / "run"), "--target", str(chat_target), "--prompts", str(evalp),
               "--max-new-tokens", "8"]
-    res = subprocess.run([*DFLASH, *common, "--thinking", "off", "--out", str(tmp_path / "off.json")], check=False,
-                         env=ENV, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
+    capsys.readouterr()
+    assert main([*common, "--thinking", "off", "--out", str(tmp_path / "off.json")]) == 0
     rep = json.loads((tmp_path / "off.json").read_text())
     assert any("thinking: data 'on', here 'off'" in w for w in rep["warnings"]), rep["warnings"]
-    assert "WARNING" in res.stderr and rep["training_data_template"]["thinking"] == "on"
-    res = subprocess.run([*DFLASH, *common, "--thinking", "on", "--out", str(tmp_path / "on.json")], check=False,
-                         env=ENV, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0 and json.loads((tmp_path / "on.json").read_text())["warnings"] == []
+    assert "WARNING" in capsys.readouterr().err and rep["training_data_template"]["thinking"] == "on"
+    assert main([*common, "--thinking", "on", "--out", str(tmp_path / "on.json")]) == 0
+    assert json.loads((tmp_path / "on.json").read_text())["warnings"] == []
     # an export carries the data's settings along
-    exp = subprocess.run([*DFLASH, "export", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "exp")],
-                         check=False, env=ENV, capture_output=True, text=True, timeout=300)
-    assert exp.returncode == 0, exp.stderr[-2000:]
+    assert main(["export", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "exp")]) == 0
     assert json.loads((tmp_path / "exp" / DATA_META).read_text())["template"]["thinking"] == "on"
