@@ -229,6 +229,8 @@ def test_bind_address_needs_a_flag_and_a_token(tmp_path, served):
         MonitorServer(hub, "0.0.0.0", 0, allow_remote=True)
     with pytest.raises(MonitorError, match="at least 16"):
         MonitorServer(hub, "0.0.0.0", 0, token="short", allow_remote=True)
+    with pytest.raises(MonitorError, match="only letters"):
+        MonitorServer(hub, "0.0.0.0", 0, token="x" * 20 + "\r\nSet-Cookie: a=b", allow_remote=True)
     write_run(tmp_path, steps=1)
     token = "t0k3n-" + "x" * 20
     srv = served(host="0.0.0.0", token=token, allow_remote=True)
@@ -238,7 +240,10 @@ def test_bind_address_needs_a_flag_and_a_token(tmp_path, served):
     resp, _ = srv.request(f"/?token={token}")
     assert resp.status == 302 and resp.getheader("Location") == "/"
     cookie = resp.getheader("Set-Cookie").split(";")[0]
-    assert "HttpOnly" in resp.getheader("Set-Cookie")
+    assert cookie == f"dflash_monitor_token={token}" and "HttpOnly" in resp.getheader("Set-Cookie")
+    # a wrong token in the query, even with a valid cookie, sets nothing (no header injection either)
+    resp, _ = srv.request("/?token=evil%0d%0aX-Injected:%201", headers={"Cookie": cookie})
+    assert resp.status == 200 and resp.getheader("Set-Cookie") is None and resp.getheader("X-Injected") is None
     assert srv.request("/api/status", headers={"Cookie": cookie, "Host": "198.51.100.7:8080"})[0].status == 200
 
 

@@ -11,6 +11,7 @@ import hmac
 import ipaddress
 import json
 import math
+import re
 import threading
 import time
 from http import HTTPStatus
@@ -26,6 +27,7 @@ from trainer.monitor.runs import Hub
 
 COOKIE = "dflash_monitor_token"
 MIN_TOKEN = 16
+TOKEN_CHARS = re.compile(r"[A-Za-z0-9._~+/=-]+")  # safe in a cookie and a header, as is
 LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1", "[::1]"}
 CURVE_KEYS = ("loss", "eal", "lr")
 CURVE_POINTS = 4000  # per curve in a full (init) message: min/max decimated beyond that
@@ -57,6 +59,8 @@ def is_loopback(host: str) -> bool:
 def check_bind(host: str, allow_remote: bool, token: str | None) -> None:
     if token is not None and len(token) < MIN_TOKEN:
         raise MonitorError(f"the token must be at least {MIN_TOKEN} characters (try: openssl rand -hex 16)")
+    if token is not None and not TOKEN_CHARS.fullmatch(token):
+        raise MonitorError("the token may hold only letters, digits and . _ ~ + / = - (try: openssl rand -hex 16)")
     if is_loopback(host):
         return
     if not allow_remote:
@@ -207,10 +211,11 @@ class Handler(BaseHTTPRequestHandler):
     def _route(self, path: str, query: dict[str, list[str]]) -> None:
         hub = self.server.hub
         if path == "/" or path == "/index.html":
-            if "token" in query and self.server.token:
+            token = self.server.token
+            if token and hmac.compare_digest(query.get("token", [""])[0].encode(), token.encode()):
                 # keep the token out of the address bar and history: a cookie from now on
                 self._send(HTTPStatus.FOUND, b"", "text/plain", {
-                    "Location": "/", "Set-Cookie": f"{COOKIE}={query['token'][0]}; HttpOnly; SameSite=Strict; Path=/"})
+                    "Location": "/", "Set-Cookie": f"{COOKIE}={token}; HttpOnly; SameSite=Strict; Path=/"})
                 return
             body, ctype = self.server.static["index.html"]
             self._send(200, body, ctype)
