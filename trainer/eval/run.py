@@ -82,7 +82,7 @@ def _label(path: Path, taken: set[str]) -> str:
     return label
 
 
-def evaluate_one(opts: EvalOptions, drafter_path: Path, target, token_prompts: list[list[int]], settings,
+def evaluate_one(opts: EvalOptions, folder: Path, target, token_prompts: list[list[int]], settings,
                  stop_ids: set[int], device: torch.device, label: str) -> dict[str, Any]:
     from tqdm import tqdm
 
@@ -91,7 +91,6 @@ def evaluate_one(opts: EvalOptions, drafter_path: Path, target, token_prompts: l
     from trainer.eval.reference import ReferenceTarget, speculate_reference
 
     t_start = time.perf_counter()
-    folder = drafter_path
     drafter = load_drafter(folder, opts.target, device)
     trained_block = int(drafter.config.block_size)
     B = opts.block_size or trained_block
