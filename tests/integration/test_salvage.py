@@ -307,6 +307,9 @@ def test_empty_responses_dataset_verdict_in_the_notes(tmp_path, tiny_target, mot
         rows["loss_mask"].append([0] * 20 + [1] * n_resp)
     ds_path = tmp_path / "empty-responses"
     datasets.Dataset.from_dict(rows).save_to_disk(str(ds_path))
+    # the manifest the data_sync role leaves beside synced data travels with the set
+    subprocess.run([*DFLASH, "manifest", "create", str(ds_path), "-o", f"{ds_path}.manifest.json"], check=True,
+                   capture_output=True, env=BASE_ENV)
     cfg = write_config(tmp_path / "run.yaml", tiny_target, ds_path, tmp_path / "run", train=FAST)
     res = subprocess.run([*DFLASH, "train", "--config", str(cfg)], env=BASE_ENV, capture_output=True, text=True, timeout=300, check=False)
     assert res.returncode == 2 and "data.short_responses" in res.stdout  # preflight refused the run
@@ -322,6 +325,7 @@ def test_empty_responses_dataset_verdict_in_the_notes(tmp_path, tiny_target, mot
     assert "the most common count is 6" in notes
     report = json.loads((set_dir / "salvage-report.json").read_text())
     assert report["node_can_go"] is False
+    assert "data/empty-responses.manifest.json" in json.loads((set_dir / "MANIFEST.json").read_text())["files"]
     codes = [e["code"] for e in report["verify"]["load"]["datasets"]["data/empty-responses"]["errors"]]
     assert "data.short_responses" in codes
     # the verdict can be downgraded to a warning explicitly, and then the rest verifies

@@ -274,6 +274,11 @@ def select(
         rel = f"data/{data_path.name}"
         sel.add_tree(data_path, rel, "data", link_ok=True)
         sel.dataset = {"source": str(data_path), "path": rel, "bytes": _size(data_path)}
+    if data_path is not None:
+        # the data_sync role's manifest beside the data (`dflash manifest create DIR -o DIR.manifest.json`)
+        sync_manifest = data_path.parent / f"{data_path.name}.manifest.json"
+        if sync_manifest.is_file():
+            sel.items.append(Item(sync_manifest, f"data/{sync_manifest.name}", sync_manifest.stat().st_size, "data"))
     for inc in includes or []:
         inc = Path(inc)
         if inc.is_dir():
@@ -363,7 +368,7 @@ def collect(
     refresh_facts: bool = False,
 ) -> dict[str, Any]:
     """Build (or bring up to date) the salvage set and its manifest; returns the collect report."""
-    from trainer.manifest import ManifestError, create_manifest, load_manifest
+    from trainer.manifest import ManifestError, create_manifest, load_manifest, same_content
 
     set_dir = Path(set_dir)
     if set_dir.resolve().is_relative_to(Path(run_dir).resolve()):
@@ -426,8 +431,12 @@ def collect(
         old = load_manifest(set_dir / MANIFEST_NAME)
     except ManifestError:
         old = None
-    manifest = create_manifest(set_dir, set_dir / MANIFEST_NAME, exclude=MANIFEST_EXCLUDE, reuse=old,
+    manifest = create_manifest(set_dir, None, exclude=(*MANIFEST_EXCLUDE, MANIFEST_NAME), reuse=old,
                                source=f"{facts['hostname']}:{set_dir.resolve()}")
+    unchanged = old is not None and same_content(old, manifest) and all(
+        old["files"].get(k, {}).get("mtime_ns") == v.get("mtime_ns") for k, v in manifest["files"].items())
+    if not unchanged:  # an unchanged set keeps its manifest file untouched (a fetch then moves nothing)
+        atomic_write_text(set_dir / MANIFEST_NAME, json.dumps(manifest, indent=1) + "\n")
     report.update(placed=counts, removed=removed, hashed=manifest["hashed"],
                   manifest=MANIFEST_NAME, file_count=manifest["file_count"], total_bytes=manifest["total_bytes"],
                   seconds=round(time.monotonic() - t0, 3))

@@ -42,7 +42,7 @@ def save_step(set_dir: Path, step: str, report: dict[str, Any]) -> Path:
     new = json.loads(json.dumps(report, default=str))
     if p.is_file():
         try:
-            if _stable(json.loads(p.read_text())) == _stable(new):
+            if _stable({step: json.loads(p.read_text())}) == _stable({step: new}):
                 return p
         except ValueError:
             pass
@@ -187,7 +187,8 @@ def render_notes(set_dir: Path, steps: dict[str, Any]) -> str:
     for item in left:
         L.append(f"- `{item['path']}` ({_gb(item['bytes'])}): {item['why']}")
     for p in (inv or {}).get("processes", []):
-        if p["action"] == "report" and p["kind"] in ("server", "unknown", "session"):
+        if p["action"] == "report" and p["kind"] in ("trainer", "server", "unknown", "session") \
+                and not p["why"].startswith("a worker of the trainer"):
             L.append(f"- process {p['pid']} ({p['what']}, {p['kind']}): left running: {p['why']}")
     for n in collect.get("notes", []):
         L.append(f"- {n}")
