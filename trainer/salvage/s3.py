@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trainer.fsutil import sha256_file
 from trainer.salvage import MANIFEST_NAME, RECORDS, SalvageError
 
 MiB = 2**20
@@ -341,23 +342,26 @@ def push(
     report["uploaded"] = len(todo) - len(failed)
     report["uploaded_bytes"] = sum(p["size"] for p in todo if p["path"] not in {f["path"] for f in failed})
     if not failed:
-        records = _push_records(client, loc, set_dir)
-        report["records"] = records
-        report["uploaded_bytes"] += sum(r["size"] for r in records.values() if r["uploaded"])
-        pushed = dict(manifest)
-        pushed["records"] = {n: {"size": r["size"], "sha256": r["sha256"]} for n, r in records.items()}
-        pushed["locations"] = {p["path"]: p["location"] for p in plan if p["action"] == "reference"}
-        pushed["pushed_to"] = loc.url()
-        body = (json.dumps(pushed, indent=1) + "\n").encode()
-        digest = hashlib.sha256(body).hexdigest()
-        h = head(client, loc.bucket, loc.key(MANIFEST_NAME))
-        if h is None or h.get("Metadata", {}).get(SHA_META) != digest:
-            client.put_object(Bucket=loc.bucket, Key=loc.key(MANIFEST_NAME), Body=body,
-                              Metadata={SHA_META: digest}, ContentType="application/json")
-            report["manifest_uploaded_bytes"] = len(body)
-        else:
-            report["manifest_uploaded_bytes"] = 0
-        report["manifest_key"] = loc.key(MANIFEST_NAME)
+        try:
+            records = _push_records(client, loc, set_dir)
+            report["records"] = records
+            report["uploaded_bytes"] += sum(r["size"] for r in records.values() if r["uploaded"])
+            pushed = dict(manifest)
+            pushed["records"] = {n: {"size": r["size"], "sha256": r["sha256"]} for n, r in records.items()}
+            pushed["locations"] = {p["path"]: p["location"] for p in plan if p["action"] == "reference"}
+            pushed["pushed_to"] = loc.url()
+            body = (json.dumps(pushed, indent=1) + "\n").encode()
+            digest = hashlib.sha256(body).hexdigest()
+            h = head(client, loc.bucket, loc.key(MANIFEST_NAME))
+            if h is None or h.get("Metadata", {}).get(SHA_META) != digest:
+                client.put_object(Bucket=loc.bucket, Key=loc.key(MANIFEST_NAME), Body=body,
+                                  Metadata={SHA_META: digest}, ContentType="application/json")
+                report["manifest_uploaded_bytes"] = len(body)
+            else:
+                report["manifest_uploaded_bytes"] = 0
+            report["manifest_key"] = loc.key(MANIFEST_NAME)
+        except Exception as exc:  # noqa: BLE001 - the endpoint died between the last object and the manifest
+            failed.append({"path": MANIFEST_NAME, "key": loc.key(MANIFEST_NAME), "error": f"{type(exc).__name__}: {exc}"})
     report["seconds"] = round(time.monotonic() - t0, 3)
     report["ok"] = not failed
     return report
