@@ -62,13 +62,16 @@ def client(endpoint_url: str):
 
 
 class RadosGW:
-    def __init__(self, root: Path | None = None, memstore_bytes: int = 3 * 2**30):
+    def __init__(self, root: Path | None = None, memstore_bytes: int = 3 * 2**30, also_listen: tuple[str, ...] = ()):
+        """also_listen: more local addresses for the S3 endpoint (e.g. the controller side of a test
+        host's veth link, so that a host in its network namespace reaches the same port)."""
         self.root = Path(root or tempfile.mkdtemp(prefix="dflash-rgw-"))
         self.mon_port = free_port()
         self.port = free_port()
         self.endpoint_url = f"http://127.0.0.1:{self.port}"
         self.conf = self.root / "ceph.conf"
         self.memstore_bytes = memstore_bytes
+        self.also_listen = also_listen
         self.gateway: subprocess.Popen | None = None
         self._daemons: list[int] = []
 
@@ -123,7 +126,7 @@ mon data = {r}/mon/$cluster-$id
 osd data = {r}/osd/$cluster-$id
 keyring = /dev/null
 [client.rgw]
-rgw frontends = beast endpoint=127.0.0.1:{self.port}
+rgw frontends = beast endpoint=127.0.0.1:{self.port}{"".join(f" endpoint={a}:{self.port}" for a in self.also_listen)}
 rgw data = {r}/rgw
 rgw enable usage log = false
 """)

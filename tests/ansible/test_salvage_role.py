@@ -8,6 +8,8 @@ writes NOTES.md; a second run changes nothing; the credentials appear in no outp
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 import time
@@ -24,14 +26,30 @@ pytestmark = pytest.mark.slow
 FAST = {"max_tokens_per_batch": 256, "max_anchors": 32, "lr": 1.0e-3, "warmup_steps": 2}
 
 
+def gateway(host) -> str:
+    """The controller's side of a test host's veth link (the host is .2 of its /24, the controller .1)."""
+    return host.addr.rsplit(".", 1)[0] + ".1"
+
+
 @pytest.fixture(scope="module")
-def rgw():
+def rgw(bed):
     if not have_radosgw():
         pytest.fail("Ceph radosgw is not installed: run scripts/setup-system (requirements/apt.txt)")
-    server = RadosGW().start()
+    # also on node-b's link, so that node-b pushes from inside its namespace (salvage_push_from: node)
+    server = RadosGW(also_listen=(gateway(bed.hosts["node-b"]),)).start()
     client(server.endpoint_url).create_bucket(Bucket="salvage")
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="module")
+def finished_tiny_run(tmp_path_factory, tiny_target, tiny_data) -> Path:
+    root = tmp_path_factory.mktemp("done")
+    cfg = write_config(root / "run.yaml", tiny_target, tiny_data, root / "run", train={**FAST, "max_steps": 4, "checkpoint_every": 2})
+    res = subprocess.run([sys.executable, "-m", "trainer.cli", "train", "--config", str(cfg)], capture_output=True, text=True,
+                         check=False, env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    return root / "run"
 
 
 def _events(out: Path, kind: str) -> list[dict]:
@@ -67,7 +85,7 @@ def test_salvage_playbook_on_a_real_host(bed, provisioned, runner, rgw, tiny_tar
         "salvage_controller_dflash": str(Path(sys.executable).parent / "dflash"), "salvage_stop_timeout_s": 180})
     secrets = {"vault_s3_access_key_id": TEST_ACCESS_KEY, "vault_s3_secret_access_key": TEST_SECRET_KEY}
     s3c = client(rgw.endpoint_url)
-    alive = lambda pid: subprocess.run(["kill", "-0", str(pid)], check=False).returncode == 0  # noqa: E731
+    alive = lambda pid: subprocess.run(["kill", "-0", str(pid)], check=False).returncode == 0
 
     check = runner.run("salvage.yml", inv, limit="node-a", extravars=secrets, check=True)
     assert check.ok(), check.stdout[-4000:]
@@ -104,3 +122,27 @@ def test_salvage_playbook_on_a_real_host(bed, provisioned, runner, rgw, tiny_tar
         text = res.stdout + json.dumps(res.events, default=str)
         assert TEST_SECRET_KEY not in text and TEST_ACCESS_KEY not in text
     subprocess.run(["kill", str(sglang_pid)], check=False)
+
+
+def test_salvage_playbook_pushing_from_the_node(bed, provisioned, runner, rgw, finished_tiny_run, tmp_path):
+    """salvage_push_from: node -- the node itself pushes, verifies (speculators in the host's venv) and
+    writes the notes; its credentials file is gone afterwards."""
+    host = bed.hosts["node-b"]
+    out = host.root / "runs" / "done"
+    shutil.copytree(finished_tiny_run, out)
+    endpoint = f"http://{gateway(host)}:{rgw.port}"
+    inv = bed.inventory(tmp_path / "inv.yml", extra_hostvars={"node-b": {"salvage_run_dir": str(out)}}, group_vars={
+        "dflash_s3_bucket": "salvage", "dflash_s3_prefix": "role-node", "dflash_s3_endpoint_url": endpoint})
+    secrets = {"vault_s3_access_key_id": TEST_ACCESS_KEY, "vault_s3_secret_access_key": TEST_SECRET_KEY}
+    res = runner.run("salvage.yml", inv, limit="node-b", extravars=secrets)
+    assert res.ok(), res.stdout[-6000:]
+    notes = (host.root / "salvage" / "NOTES.md").read_text()
+    assert "**Verdict: the node can go.**" in notes and "not_running" in notes
+    assert "s3://salvage/role-node/node-b/" in notes
+    keys = {o["Key"] for o in client(rgw.endpoint_url).list_objects_v2(Bucket="salvage", Prefix="role-node/node-b/")["Contents"]}
+    assert {"role-node/node-b/MANIFEST.json", "role-node/node-b/NOTES.md", "role-node/node-b/run/events.jsonl"} <= keys
+    assert not (host.root / ".salvage-aws-credentials").exists()
+    text = res.stdout + json.dumps(res.events, default=str)
+    assert TEST_SECRET_KEY not in text and TEST_ACCESS_KEY not in text
+    again = runner.run("salvage.yml", inv, limit="node-b", extravars=secrets)
+    assert again.ok() and again.changed("node-b") == 0, again.changed_tasks("node-b")
