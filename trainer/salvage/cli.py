@@ -290,6 +290,14 @@ def run(args) -> int:
     except (SalvageError, ManifestError) as exc:
         print(f"dflash salvage {args.salvage_verb}: {exc}", file=sys.stderr)
         return EXIT_INPUT
+    except Exception as exc:
+        # S3 trouble outside the per-object handling (the endpoint died while listing, say): one clear
+        # line, exit 1 (botocore's messages name the operation and the endpoint, never the credentials)
+        if type(exc).__module__.split(".")[0] not in ("botocore", "boto3", "s3transfer", "urllib3"):
+            raise
+        print(f"dflash salvage {args.salvage_verb}: S3 failed: {type(exc).__name__}: {exc}; "
+              "nothing is marked complete: run it again", file=sys.stderr)
+        return EXIT_FAILED
 
 
 def main_salvage(argv: list[str]) -> int:
