@@ -23,12 +23,14 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write to a temp name in the same folder, fsync, then rename over `path`."""
+def atomic_write_bytes(path: Path, data: bytes, mode: int = 0o644) -> None:
+    """Write to a temp name in the same folder, fsync, then rename over `path` (mode: 0644 unless
+    told otherwise: mkstemp's 0600 would make run files unreadable to a monitor running as another user)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, mode)
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()
@@ -40,8 +42,8 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     fsync_dir(path.parent)
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    atomic_write_bytes(path, text.encode())
+def atomic_write_text(path: Path, text: str, mode: int = 0o644) -> None:
+    atomic_write_bytes(path, text.encode(), mode)
 
 
 def sha256_file(path: Path) -> str:
