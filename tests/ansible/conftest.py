@@ -93,6 +93,19 @@ class Result:
                 if e.get("event") in ("runner_on_ok", "runner_on_failed", "runner_on_skipped")
                 and e["event_data"].get("task") == task and (host is None or e["event_data"].get("host") == host)]
 
+    def failures(self) -> list[dict]:
+        """Failed tasks with what explains them (for assertion messages)."""
+        out = []
+        for e in self.events:
+            if e.get("event") in ("runner_on_failed", "runner_on_unreachable") and not e["event_data"].get("ignore_errors"):
+                res = e["event_data"].get("res", {})
+                out.append({"task": e["event_data"].get("task"), "host": e["event_data"].get("host"),
+                            **{k: str(res.get(k))[-1500:] for k in ("msg", "rc", "stderr", "stdout", "cmd") if k in res}})
+        return out
+
+    def __repr__(self) -> str:
+        return f"<Result rc={self.rc} failures={self.failures()}>"
+
     def ok(self) -> bool:
         return self.rc == 0 and self.status == "successful"
 
@@ -115,6 +128,18 @@ def provisioned(bed, provision_vars, tmp_path_factory):
     res = Runner(work).run(ROLE_PLAYBOOK, inv, extravars={"test_role": "python_env", **provision_vars})
     assert res.ok(), res.stdout[-4000:]
     return res
+
+
+@pytest.fixture(scope="session")
+def systemd_host(bed, provision_vars, tmp_path_factory):
+    """A podman container with systemd as PID 1 next to the sshd hosts, provisioned with python_env."""
+    testbed.build_systemd_image()
+    host = bed.add_systemd_host("sysd", port=31337)
+    work = tmp_path_factory.mktemp("provision-sysd")
+    inv = bed.inventory(work / "inv.yml")
+    res = Runner(work).run(ROLE_PLAYBOOK, inv, limit="sysd", extravars={"test_role": "python_env", **provision_vars})
+    assert res.ok(), res.stdout[-4000:]
+    return host
 
 
 @pytest.fixture

@@ -39,8 +39,9 @@ class Host:
     root: Path
     workdir: Path
     pid: int | None = None
+    container: str | None = None
 
-    def ssh(self, bed: "Testbed", command: str, check: bool = True) -> subprocess.CompletedProcess:
+    def ssh(self, bed: Testbed, command: str, check: bool = True) -> subprocess.CompletedProcess:
         """Run `command` on the host over real SSH (the same key and known_hosts Ansible uses)."""
         return subprocess.run(
             ["ssh", *bed.ssh_options(), "-p", str(self.port), f"root@{self.addr}", command],
@@ -57,6 +58,7 @@ class Testbed:
     workdir: Path
     hosts: dict[str, Host] = field(default_factory=dict)
     links: list[str] = field(default_factory=list)
+    containers: list[str] = field(default_factory=list)
 
     @property
     def key(self) -> Path:
@@ -120,8 +122,39 @@ class Testbed:
             fh.write(f"[{addr}]:{port} {pub[0]} {pub[1]}\n")
         return host
 
+    def add_systemd_host(self, name: str, port: int = 31337, image: str = "dflash-systemd-host") -> Host:
+        """A podman container with systemd as PID 1 (its own filesystem, this machine's network), reached
+        by SSH on 127.0.0.1:`port`. The image comes from tests/ansible/build-systemd-image."""
+        hdir = self.workdir / name
+        hdir.mkdir(parents=True)
+        _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(hdir / "ssh_host_ed25519_key"))
+        shutil.copy(self.key.with_suffix(".pub"), hdir / "authorized_keys")
+        (hdir / "sshd.conf").write_text(
+            f"Port {port}\nListenAddress 127.0.0.1\nHostKey /etc/dflash-test/ssh_host_ed25519_key\n"
+            "AuthorizedKeysFile /etc/dflash-test/authorized_keys\nPermitRootLogin prohibit-password\n"
+            "PasswordAuthentication no\nKbdInteractiveAuthentication no\nUsePAM no\nStrictModes no\n"
+        )
+        container = f"dflash5-{os.getpid()}-{name}"
+        _podman("run", "-d", "--name", container, "--hostname", name, "--systemd=always", "--cap-add=SYS_ADMIN",
+                "-v", f"{hdir}:/etc/dflash-test:ro",
+                "-v", f"{hdir / 'sshd.conf'}:/etc/ssh/sshd_config.d/dflash-test.conf:ro",
+                image, "/sbin/init")
+        self.containers.append(container)
+        host = Host(name, "", "127.0.0.1", port, Path("/opt/dflash"), hdir, container=container)
+        self.hosts[name] = host
+        _wait_port("127.0.0.1", port, hdir / "none", timeout=60)
+        pub = (hdir / "ssh_host_ed25519_key.pub").read_text().split()
+        with open(self.known_hosts, "a") as fh:
+            fh.write(f"[127.0.0.1]:{port} {pub[0]} {pub[1]}\n")
+        return host
+
     def close(self) -> None:
+        for c in self.containers:
+            _podman("rm", "-f", "-t", "5", c, check=False)
+        self.containers.clear()
         for h in self.hosts.values():
+            if h.container:
+                continue
             if h.pid:
                 try:
                     os.kill(h.pid, signal.SIGTERM)
@@ -144,7 +177,10 @@ class Testbed:
         """An inventory of the hosts (their odd ports, the key, host key checking on)."""
         hosts = {}
         for name, h in self.hosts.items():
-            hosts[name] = {**h.inventory_vars, "dflash_root": str(h.root), **(extra_hostvars or {}).get(name, {})}
+            hv = {**h.inventory_vars, "dflash_root": str(h.root)}
+            if h.container:  # its own filesystem: the usual host-wide paths
+                hv["gpu_facts_fact_dir"] = "/etc/ansible/facts.d"
+            hosts[name] = {**hv, **(extra_hostvars or {}).get(name, {})}
         inv = {"all": {
             "vars": {
                 "ansible_ssh_private_key_file": str(self.key),
@@ -159,6 +195,19 @@ class Testbed:
         }}
         path.write_text(yaml.safe_dump(inv, sort_keys=False))
         return path
+
+
+PODMAN_DIR = Path(__file__).resolve().parent / "podman"
+
+
+def _podman(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    env = {**os.environ, "CONTAINERS_CONF": str(PODMAN_DIR / "containers.conf"),
+           "CONTAINERS_STORAGE_CONF": str(PODMAN_DIR / "storage.conf")}
+    return subprocess.run(["podman", *args], capture_output=True, text=True, check=check, env=env)
+
+
+def build_systemd_image() -> None:
+    subprocess.run([str(Path(__file__).resolve().parent / "build-systemd-image")], check=True)
 
 
 def _free_subnet() -> int:
