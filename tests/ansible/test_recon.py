@@ -35,7 +35,7 @@ def test_recon_reports_gpus_and_zero_gpus_and_is_idempotent(bed, runner, reports
         8, "NVIDIA A100-SXM4-40GB", "550.127.05", "12.4")
     assert a["hostname"] == "node-a" and b["hostname"] == "node-b"  # really two hosts (own UTS namespaces)
     assert b["gpus"]["count"] == 0 and b["gpus"]["model"] is None
-    assert a["python"] == "3.11" and a["systemd"] is False and a["disk_free_gib"] > 0
+    assert a["python"] == "3.11" and a["systemd"] is False and a["disk_total_gib"] > 0
     # the facts file on each host holds the same facts
     fact = json.loads((bed.hosts["node-a"].root / "facts.d" / "dflash.fact").read_text())
     assert fact["gpus"]["count"] == 8
