@@ -8,8 +8,8 @@ import signal
 import time
 from pathlib import Path
 
-from trainer.events import load_events
 from tests.ansible.conftest import ROLE_PLAYBOOK as ROLE
+from trainer.events import load_events
 
 
 def prepare_tiny_run(bed, host, steps=2000, every=10):
