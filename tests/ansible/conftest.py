@@ -134,7 +134,7 @@ def provisioned(bed, provision_vars, tmp_path_factory):
 def systemd_host(bed, provision_vars, tmp_path_factory):
     """A podman container with systemd as PID 1 next to the sshd hosts, provisioned with python_env."""
     testbed.build_systemd_image()
-    host = bed.add_systemd_host("sysd", port=31337)
+    host = bed.add_systemd_host("sysd")
     work = tmp_path_factory.mktemp("provision-sysd")
     inv = bed.inventory(work / "inv.yml")
     res = Runner(work).run(ROLE_PLAYBOOK, inv, limit="sysd", extravars={"test_role": "python_env", **provision_vars})

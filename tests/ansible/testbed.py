@@ -122,11 +122,13 @@ class Testbed:
             fh.write(f"[{addr}]:{port} {pub[0]} {pub[1]}\n")
         return host
 
-    def add_systemd_host(self, name: str, port: int = 31337, image: str = "dflash-systemd-host") -> Host:
+    def add_systemd_host(self, name: str, port: int | None = None, image: str = "dflash-systemd-host") -> Host:
         """A podman container with systemd as PID 1 (its own filesystem, this machine's network), reached
         by SSH on 127.0.0.1:`port`. The image comes from tests/ansible/build-systemd-image."""
         hdir = self.workdir / name
         hdir.mkdir(parents=True)
+        # the container shares this machine's network: take a port nobody listens on (an odd one)
+        port = port or _free_port()
         _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(hdir / "ssh_host_ed25519_key"))
         shutil.copy(self.key.with_suffix(".pub"), hdir / "authorized_keys")
         (hdir / "sshd.conf").write_text(
@@ -208,6 +210,12 @@ def _podman(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 def build_systemd_image() -> None:
     subprocess.run([str(Path(__file__).resolve().parent / "build-systemd-image")], check=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _free_subnet() -> int:
