@@ -20,14 +20,14 @@ EVENTS_SCHEMA_VERSION = 1
 EVENT_KINDS = ("run_start", "step", "checkpoint", "eval", "warning", "run_end")
 
 
-def _clean(value: Any) -> Any:
+def json_safe(value: Any) -> Any:
     """JSON has no NaN/inf: encode them as strings so the line stays valid JSON."""
     if isinstance(value, float) and not math.isfinite(value):
         return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
     if isinstance(value, dict):
-        return {k: _clean(v) for k, v in value.items()}
+        return {k: json_safe(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_clean(v) for v in value]
+        return [json_safe(v) for v in value]
     return value
 
 
@@ -45,7 +45,7 @@ class EventWriter:
             raise ValueError(f"unknown event kind {event!r}")
         record = {"event": event, "time": round(time.time(), 3), "run_id": self.run_id, **fields}
         if self.enabled:
-            line = json.dumps(_clean(record), allow_nan=False, separators=(",", ":")) + "\n"
+            line = json.dumps(json_safe(record), allow_nan=False, separators=(",", ":")) + "\n"
             self._append(self.path, line)
         return record
 

@@ -14,12 +14,11 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import write_config
+from tests.conftest import wait_for, write_config
 from tests.s3servers import (
     TEST_ACCESS_KEY,
     TEST_SECRET_KEY,
@@ -47,15 +46,6 @@ def dflash(*args, env=None, timeout=600, check_rc: int | None = None) -> subproc
     if check_rc is not None:
         assert res.returncode == check_rc, f"exit {res.returncode}\n{res.stdout[-4000:]}\n{res.stderr[-4000:]}"
     return res
-
-
-def wait_for(pred, timeout=180.0, every=0.05) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(every)
-    return False
 
 
 def events(out: Path, kind: str) -> list[dict]:

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import write_config
+from tests.conftest import wait_for, write_config
 from trainer.checkpoint import list_checkpoints, read_latest, verify_checkpoint
 from trainer.events import load_events
 
@@ -38,15 +38,6 @@ def run_train(cfg: Path, timeout=300) -> subprocess.CompletedProcess:
 
 def events_of(out_dir: Path, kind: str) -> list[dict]:
     return [e for e in load_events(out_dir / "events.jsonl") if e["event"] == kind]
-
-
-def wait_for(pred, timeout=180, every=0.1):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(every)
-    return False
 
 
 def final_weights(out_dir: Path) -> dict[str, torch.Tensor]:

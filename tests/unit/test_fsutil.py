@@ -6,6 +6,7 @@ import pytest
 
 from trainer.fsutil import atomic_write_bytes, atomic_write_text
 
+
 def test_atomic_write_replaces_whole_and_is_0644(tmp_path):
     p = tmp_path / "sub" / "f.json"
     atomic_write_text(p, "one")

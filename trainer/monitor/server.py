@@ -10,7 +10,6 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import json
-import math
 import re
 import threading
 import time
@@ -22,6 +21,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from trainer.events import json_safe
 from trainer.monitor import metrics
 from trainer.monitor.runs import Hub
 
@@ -83,18 +83,8 @@ def load_static() -> dict[str, tuple[bytes, str]]:
     return files
 
 
-def _json_safe(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
-    if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    return value
-
-
 def dumps(value: Any) -> bytes:
-    return json.dumps(_json_safe(value), separators=(",", ":"), allow_nan=False).encode()
+    return json.dumps(json_safe(value), separators=(",", ":"), allow_nan=False).encode()
 
 
 class MonitorServer(ThreadingHTTPServer):

@@ -61,6 +61,13 @@ class Selection:
     dataset: dict[str, Any] | None = None
     notes: list[str] = field(default_factory=list)
 
+    def add_path(self, path: Path, rel_dir: str, kind: str) -> None:
+        """A file or a whole folder, under `rel_dir/<its name>` in the set."""
+        if path.is_dir():
+            self.add_tree(path, f"{rel_dir}/{path.name}", kind)
+        else:
+            self.items.append(Item(path, f"{rel_dir}/{path.name}", path.stat().st_size, kind))
+
     def add_tree(self, root: Path, rel_root: str, kind: str, link_ok: bool = False, skip=None) -> None:
         for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
             base = Path(dirpath)
@@ -280,17 +287,9 @@ def select(
         if sync_manifest.is_file():
             sel.items.append(Item(sync_manifest, f"data/{sync_manifest.name}", sync_manifest.stat().st_size, "data"))
     for inc in includes or []:
-        inc = Path(inc)
-        if inc.is_dir():
-            sel.add_tree(inc, f"extra/{inc.name}", "extra")
-        else:
-            sel.items.append(Item(inc, f"extra/{inc.name}", inc.stat().st_size, "extra"))
+        sel.add_path(Path(inc), "extra", "extra")
     for r in recon or []:
-        r = Path(r)
-        if r.is_dir():
-            sel.add_tree(r, f"node/recon/{r.name}", "node")
-        else:
-            sel.items.append(Item(r, f"node/recon/{r.name}", r.stat().st_size, "node"))
+        sel.add_path(Path(r), "node/recon", "node")
     if state_dir is not None:
         # The first salvage run's records of what ran and how it stopped are kept: a later run finds
         # the trainer already stopped and must not overwrite them (its own reports stay in .salvage/).
