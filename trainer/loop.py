@@ -215,7 +215,7 @@ class Trainer:
     def build(self) -> None:
         from speculators.losses import resolve_loss_config
 
-        from trainer.data import compute_stats, open_dataset, PackedSampler
+        from trainer.data import PackedSampler, compute_stats, open_dataset
         from trainer.drafter import build_drafter, count_trainable, loss_implementation
         from trainer.sources import make_source
 
