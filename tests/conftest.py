@@ -105,3 +105,15 @@ def wait_for(pred, timeout: float = 180.0, every: float = 0.05) -> bool:
             return True
         time.sleep(every)
     return False
+
+
+@pytest.fixture(scope="session")
+def moto():
+    """moto's S3 server on 127.0.0.1 with a `salvage` bucket (fast; it checks no digests: the end-to-end
+    cases use Ceph radosgw, tests/s3servers.py)."""
+    from tests.s3servers import MotoServer, client
+
+    server = MotoServer().start()
+    client(server.endpoint_url).create_bucket(Bucket="salvage")
+    yield server
+    server.stop()

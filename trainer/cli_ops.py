@@ -1,4 +1,4 @@
-"""CLI verbs of issue #5 for the roles: `dflash plan`, `dflash manifest`, `dflash gpu`.
+"""CLI verbs of issue #5 for the roles: `dflash plan`, `dflash manifest`, `dflash gpu`, `dflash s3`.
 
 Argument definitions only; each verb imports its (light) module when it runs. Errors in the input
 end with exit 2 and one line naming what to fix."""
@@ -31,6 +31,38 @@ def _manifest(args) -> int:
         return args.impl(args)
     except ManifestError as exc:
         return _fail(f"manifest {args.manifest_cmd}", exc)
+
+
+def _s3(args) -> int:
+    from trainer.manifest import ManifestError
+    from trainer.s3sync import pull, push_folder
+    from trainer.salvage import SalvageError
+
+    try:
+        if args.s3_cmd == "push":
+            report = push_folder(Path(args.dir), args.url, args.endpoint_url, args.check, tuple(args.exclude),
+                                 args.workers, not args.no_progress)
+            text = (f"{report['s3']}: {report['files']} files, {report['bytes']} bytes; uploaded {report['uploaded']} "
+                    f"({report['uploaded_bytes']} bytes), {report['skipped']} already there; manifest {report['manifest']}")
+            failed = report.get("failed", [])
+        else:
+            report = pull(args.url, Path(args.dir), args.endpoint_url, args.check, args.workers, args.bwlimit_kbps,
+                          not args.no_progress)
+            text = (f"{report['dest']}: {report['files']} files, {report['bytes']} bytes; {report['present']} already "
+                    f"there, {report['downloaded']} downloaded ({report['downloaded_bytes']} bytes, "
+                    f"{report['resumed_bytes']} bytes resumed from partial files)")
+            if report.get("extra"):
+                text += f"; {len(report['extra'])} local file(s) not in the manifest left alone"
+            failed = report["failed"]
+    except (SalvageError, ManifestError) as exc:
+        return _fail(f"s3 {args.s3_cmd}", exc)
+    if args.json:
+        print(json.dumps({k: v for k, v in report.items() if k != "plan" or args.check}))
+    else:
+        print(text + ("" if not args.check else " (--check: nothing moved)"))
+        for f in failed:
+            print(f"FAILED {f['path']}: {f['error']}", file=sys.stderr)
+    return 0 if report["ok"] else 1
 
 
 def _manifest_create(args) -> int:
@@ -121,6 +153,24 @@ def add_verbs(sub) -> None:
         q.add_argument("--workers", type=int, default=None, help="hashing threads (default: min(4, CPUs))")
         q.add_argument("--json", action="store_true", help="one JSON object on stdout")
         q.set_defaults(func=_manifest, impl=impl)
+
+    p = sub.add_parser("s3", help="copy a folder to S3 or from S3, every file proven by its sha256")
+    ssub = p.add_subparsers(dest="s3_cmd", required=True, metavar="ACTION")
+    up = ssub.add_parser("push", help="manifest DIR (beside it: DIR.manifest.json) and upload it to s3://BUCKET/PREFIX")
+    up.add_argument("dir", metavar="DIR")
+    up.add_argument("url", metavar="s3://BUCKET/PREFIX")
+    up.add_argument("--exclude", action="append", default=[], metavar="GLOB", help="leave out paths matching GLOB")
+    down = ssub.add_parser("pull", help="download s3://BUCKET/PREFIX (it has a MANIFEST.json) into DIR, resumable")
+    down.add_argument("url", metavar="s3://BUCKET/PREFIX")
+    down.add_argument("dir", metavar="DIR")
+    down.add_argument("--bwlimit-kbps", type=int, default=0, help="bandwidth cap in KiB/s (default 0: none)")
+    for q, workers in ((up, 8), (down, 4)):
+        q.add_argument("--endpoint-url", help="S3 endpoint (default: AWS); credentials: the AWS_* variables or profile")
+        q.add_argument("--check", action="store_true", help="say what would move, move nothing")
+        q.add_argument("--workers", type=int, default=workers, help=f"parallel transfers (default {workers})")
+        q.add_argument("--no-progress", action="store_true", help="no byte progress on stderr")
+        q.add_argument("--json", action="store_true", help="one JSON report on stdout")
+        q.set_defaults(func=_s3)
 
     p = sub.add_parser("gpu", help="GPU facts from nvidia-smi output, and the driver/CUDA decision")
     gsub = p.add_subparsers(dest="gpu_cmd", required=True, metavar="ACTION")

@@ -31,8 +31,8 @@ from typing import Any
 from trainer.fsutil import atomic_write_text, sha256_file
 
 MANIFEST_VERSION = 1
-# rsync --partial-dir default name used by the data_sync role; never part of the data.
-ALWAYS_EXCLUDED = (".rsync-partial", ".rsync-partial/*")
+# Partial-transfer folders (rsync --partial-dir of the data_sync role; `dflash s3 pull`): never data.
+ALWAYS_EXCLUDED = (".rsync-partial", ".rsync-partial/*", ".s3-partial", ".s3-partial/*")
 
 
 class ManifestError(ValueError):
@@ -185,20 +185,26 @@ def load_manifest(path: Path) -> dict[str, Any]:
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ManifestError(f"manifest {path} is not valid JSON: {exc}") from None
+    return check_manifest(data, str(path))
+
+
+def check_manifest(data: Any, label: str) -> dict[str, Any]:
+    """`data` (a parsed manifest from a file or an S3 object named `label`) if it is a usable manifest:
+    the right version, and every entry a safe relative path with size + sha256 (or a symlink)."""
     if not isinstance(data, dict) or data.get("manifest_version") != MANIFEST_VERSION:
         got = data.get("manifest_version") if isinstance(data, dict) else type(data).__name__
-        raise ManifestError(f"manifest {path}: expected manifest_version {MANIFEST_VERSION}, got {got!r}")
+        raise ManifestError(f"manifest {label}: expected manifest_version {MANIFEST_VERSION}, got {got!r}")
     files = data.get("files")
     if not isinstance(files, dict):
-        raise ManifestError(f"manifest {path}: 'files' must be a mapping of relative path -> entry")
+        raise ManifestError(f"manifest {label}: 'files' must be a mapping of relative path -> entry")
     for rel, entry in files.items():
         parts = rel.split("/")
         if rel.startswith("/") or ".." in parts or "" in parts:
-            raise ManifestError(f"manifest {path}: unsafe path {rel!r} (absolute, empty part or '..')")
+            raise ManifestError(f"manifest {label}: unsafe path {rel!r} (absolute, empty part or '..')")
         if not isinstance(entry, dict) or not (
             ("symlink" in entry) or (isinstance(entry.get("size"), int) and isinstance(entry.get("sha256"), str))
         ):
-            raise ManifestError(f"manifest {path}: entry {rel!r} needs size and sha256 (or symlink)")
+            raise ManifestError(f"manifest {label}: entry {rel!r} needs size and sha256 (or symlink)")
     return data
 
 

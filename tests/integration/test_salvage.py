@@ -22,7 +22,6 @@ from tests.conftest import wait_for, write_config
 from tests.s3servers import (
     TEST_ACCESS_KEY,
     TEST_SECRET_KEY,
-    MotoServer,
     RadosGW,
     client,
     have_radosgw,
@@ -65,14 +64,6 @@ def rgw():
     if not have_radosgw():
         pytest.fail("Ceph radosgw is not installed: run scripts/setup-system (requirements/apt.txt: ceph-mon ceph-osd radosgw)")
     server = RadosGW().start()
-    client(server.endpoint_url).create_bucket(Bucket="salvage")
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="session")
-def moto():
-    server = MotoServer().start()
     client(server.endpoint_url).create_bucket(Bucket="salvage")
     yield server
     server.stop()

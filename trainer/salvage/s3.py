@@ -301,23 +301,26 @@ def push(
     threshold_bytes: int = DEFAULT_THRESHOLD,
     progress: bool = True,
     client=None,
+    manifest_path: Path | None = None,
+    remake_hint: str = "re-run `dflash salvage collect`",
 ) -> dict[str, Any]:
-    """Upload a salvage set (folder with MANIFEST.json) to `url`. Returns the push report; raises
-    SalvageError on bad input before any transfer."""
+    """Upload a salvage set (folder with MANIFEST.json) to `url`, or any folder whose manifest is
+    `manifest_path` (`dflash s3 push`). Returns the push report; raises SalvageError on bad input
+    before any transfer."""
     from trainer.manifest import ManifestError, load_manifest
 
     set_dir = Path(set_dir)
     loc = parse_s3_url(url)
-    mpath = set_dir / MANIFEST_NAME
+    mpath = Path(manifest_path) if manifest_path is not None else set_dir / MANIFEST_NAME
     try:
         manifest = load_manifest(mpath)
     except ManifestError as exc:
-        raise SalvageError(f"{exc} (run `dflash salvage collect` first)") from None
+        raise SalvageError(f"{exc} ({remake_hint} first)") from None
     stale = stale_files(set_dir, manifest)
     if stale:
         raise SalvageError(
-            f"{len(stale)} file(s) of {set_dir} differ from {MANIFEST_NAME}: " + "; ".join(stale[:20])
-            + " -- re-run `dflash salvage collect` (or restore the files) before pushing"
+            f"{len(stale)} file(s) of {set_dir} differ from {mpath.name}: " + "; ".join(stale[:20])
+            + f" -- {remake_hint} (or restore the files) before pushing"
         )
     client = client or make_client(endpoint_url, max_pool=max(16, workers * 2))
     check_bucket(client, loc)
@@ -337,7 +340,7 @@ def push(
         report.update(uploaded=0, uploaded_bytes=0, failed=[], ok=True)
         return report
     report["aborted_stale_uploads"] = abort_stale_uploads(client, loc)
-    failed = _upload_all(client, loc, set_dir, todo, workers, chunk_bytes, threshold_bytes, progress)
+    failed = _upload_all(client, loc, set_dir, manifest, todo, workers, chunk_bytes, threshold_bytes, progress)
     report["failed"] = failed
     report["uploaded"] = len(todo) - len(failed)
     report["uploaded_bytes"] = sum(p["size"] for p in todo if p["path"] not in {f["path"] for f in failed})
@@ -386,12 +389,11 @@ def _push_records(client, loc: S3Location, set_dir: Path) -> dict[str, dict[str,
     return out
 
 
-def _upload_all(client, loc, set_dir, todo, workers, chunk_bytes, threshold_bytes, progress) -> list[dict[str, str]]:
+def _upload_all(client, loc, set_dir, manifest, todo, workers, chunk_bytes, threshold_bytes, progress) -> list[dict[str, str]]:
     from boto3.s3.transfer import TransferConfig
     from s3transfer.manager import TransferManager
     from s3transfer.subscribers import BaseSubscriber
 
-    manifest = json.loads((set_dir / MANIFEST_NAME).read_text())
     bar = Progress(sum(p["size"] for p in todo), f"upload to {loc.url()}", progress)
 
     class _Bytes(BaseSubscriber):

@@ -1,0 +1,276 @@
+"""Folders to S3 and back, every file proven by sha256 (`dflash s3 push` / `dflash s3 pull`).
+
+`push DIR s3://BUCKET/PREFIX`: writes DIR's manifest beside it (`DIR.manifest.json`, digests of
+unchanged files reused), then uploads through the salvage uploader (`trainer.salvage.s3.push`:
+Content-MD5 on every request, sha256 in each object's metadata, objects already there skipped,
+`PREFIX/MANIFEST.json` last). A dataset is uploaded once from wherever it was tokenized.
+
+`pull s3://BUCKET/PREFIX DIR` (the data_sync role's S3 -> host direction) reads `PREFIX/MANIFEST.json`
+(a push or a salvage set) and, before anything is written, refuses a prefix with no manifest, an object
+that is missing or has another size than the manifest says, and a destination disk without room. Then,
+per file:
+
+- already in DIR with the manifest's size and sha256: kept (a second pull moves 0 bytes);
+- otherwise downloaded into `DIR/.s3-partial/<path>`. A pull killed mid-way leaves that partial file
+  and the object's ETag beside it; the next pull asks only for the missing bytes (an HTTP Range, with
+  If-Match on the ETag, so an object replaced in between is fetched again from the start);
+- the complete file is hashed; only a sha256 equal to the manifest's moves it into place (rename,
+  the manifest's mtime kept); a mismatch is fetched once more from scratch, then reported.
+
+It finishes by writing the manifest beside DIR (`DIR.manifest.json`, so `dflash manifest verify DIR
+DIR.manifest.json` re-proves it any time) and reports every file present, fetched, resumed, failed,
+and the local files the manifest does not name (left alone). Credentials: boto3's standard chain, as
+salvage. Light side: boto3 is imported lazily, no torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from trainer.fsutil import atomic_write_text, sha256_file
+from trainer.salvage import MANIFEST_NAME, SalvageError
+from trainer.salvage import s3 as s3lib
+
+PARTIAL_DIR = ".s3-partial"
+MiB = 2**20
+
+
+def beside(folder: Path) -> Path:
+    """Where a folder's own manifest lives: next to it, never inside it (`data/tok` -> `data/tok.manifest.json`)."""
+    folder = Path(folder)
+    return folder.parent / f"{folder.name}.manifest.json"
+
+
+# ---------------------------------------------------------------- push
+
+
+def push_folder(folder: Path, url: str, endpoint_url: str | None = None, check: bool = False,
+                exclude: tuple[str, ...] = (), workers: int = 8, progress: bool = True, client=None) -> dict[str, Any]:
+    from trainer.manifest import ManifestError, create_manifest, load_manifest
+
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise SalvageError(f"{folder} is not a folder")
+    s3lib.parse_s3_url(url)  # a bad URL fails before any hashing
+    mpath = beside(folder)
+    try:
+        old = load_manifest(mpath) if mpath.is_file() else None
+    except ManifestError:
+        old = None  # a broken old manifest is simply rebuilt
+    create_manifest(folder, mpath, exclude=tuple(exclude), reuse=old, source=str(folder.resolve()))
+    report = s3lib.push(folder, url, endpoint_url=endpoint_url, check=check, workers=workers, progress=progress,
+                        client=client, manifest_path=mpath, remake_hint="re-run `dflash s3 push`")
+    report["manifest"] = str(mpath)
+    return report
+
+
+# ---------------------------------------------------------------- pull
+
+
+class _Throttle:
+    """A shared byte budget (KiB/s) for every download thread; 0 = unlimited."""
+
+    def __init__(self, kbps: int):
+        self.rate = kbps * 1024
+        self.t0 = time.monotonic()
+        self.sent = 0
+        self.lock = threading.Lock()
+
+    def __call__(self, n: int) -> None:
+        if self.rate <= 0:
+            return
+        with self.lock:
+            self.sent += n
+            ahead = self.sent / self.rate - (time.monotonic() - self.t0)
+        if ahead > 0:
+            time.sleep(ahead)
+
+
+def _object_sizes(client, loc, rels: list[str], locations: dict[str, str]) -> dict[str, tuple[str, str, int | None]]:
+    """rel -> (bucket, key, size in S3 or None when absent): one listing for the prefix, a HEAD for
+    files a salvage set references elsewhere."""
+    listed = {o["Key"]: o["Size"] for o in s3lib.list_objects(client, loc)}
+    out = {}
+    for rel in rels:
+        if rel in locations:
+            ref = s3lib.parse_s3_url(locations[rel])
+            h = s3lib.head(client, ref.bucket, ref.prefix)
+            out[rel] = (ref.bucket, ref.prefix, None if h is None else h["ContentLength"])
+        else:
+            key = loc.key(rel)
+            out[rel] = (loc.bucket, key, listed.get(key))
+    return out
+
+
+def _why_object(size: int | None, expected: int) -> str:
+    return "absent" if size is None else f"{size} bytes, the manifest says {expected}"
+
+
+def _local_state(path: Path, entry: dict[str, Any]) -> str:
+    """'same', 'missing' or 'differs' for a destination file against its manifest entry."""
+    if path.is_symlink() or not path.is_file():
+        return "missing" if not path.exists() and not path.is_symlink() else "differs"
+    if path.stat().st_size != entry["size"]:
+        return "differs"
+    return "same" if sha256_file(path) == entry["sha256"] else "differs"
+
+
+def _fetch(client, bucket: str, key: str, entry: dict[str, Any], part: Path, throttle: _Throttle,
+           bar: s3lib.Progress) -> dict[str, Any]:
+    """Download one object into `part` (resuming a partial of the same ETag); returns what moved and
+    the sha256 of the whole file."""
+    tag_file = part.with_name(part.name + ".etag")
+    part.parent.mkdir(parents=True, exist_ok=True)
+    etag = client.head_object(Bucket=bucket, Key=key)["ETag"]
+    offset = 0
+    if part.is_file() and tag_file.is_file() and tag_file.read_text() == etag and part.stat().st_size <= entry["size"]:
+        offset = part.stat().st_size
+    else:
+        part.unlink(missing_ok=True)
+        atomic_write_text(tag_file, etag)
+    moved = 0
+    if offset < entry["size"]:
+        kw = {"Range": f"bytes={offset}-"} if offset else {}
+        body = client.get_object(Bucket=bucket, Key=key, IfMatch=etag, **kw)["Body"]
+        with open(part, "ab") as fh:
+            for chunk in body.iter_chunks(MiB):
+                fh.write(chunk)
+                moved += len(chunk)
+                bar(len(chunk))
+                throttle(len(chunk))
+            fh.flush()
+            os.fsync(fh.fileno())
+    elif not part.exists():
+        part.touch()  # an empty object
+    return {"resumed_from": offset, "bytes": moved, "sha256": sha256_file(part)}
+
+
+def _place(part: Path, target: Path, entry: dict[str, Any]) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if entry.get("mtime_ns") is not None:
+        os.utime(part, ns=(entry["mtime_ns"], entry["mtime_ns"]))
+    os.chmod(part, 0o644)
+    os.replace(part, target)
+    part.with_name(part.name + ".etag").unlink(missing_ok=True)
+
+
+def _place_link(target: Path, to: str) -> bool:
+    if target.is_symlink() and os.readlink(target) == to:
+        return False
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.link-tmp")
+    tmp.unlink(missing_ok=True)
+    os.symlink(to, tmp)
+    os.replace(tmp, target)
+    return True
+
+
+def pull(url: str, dest: Path, endpoint_url: str | None = None, check: bool = False, workers: int = 4,
+         bwlimit_kbps: int = 0, progress: bool = True, client=None) -> dict[str, Any]:
+    """Copy s3://BUCKET/PREFIX (which has a MANIFEST.json) into `dest`, resumable, every file proven.
+    Returns the report (`ok` false when a file could not be proven); raises SalvageError on bad input
+    before anything is written."""
+    from trainer.manifest import ManifestError, check_manifest, scan
+
+    loc = s3lib.parse_s3_url(url)
+    dest = Path(dest)
+    if dest.exists() and not dest.is_dir():
+        raise SalvageError(f"destination {dest} exists and is not a folder")
+    client = client or s3lib.make_client(endpoint_url, max_pool=max(16, workers * 2))
+    s3lib.check_bucket(client, loc)
+    raw = s3lib.get_json(client, loc.bucket, loc.key(MANIFEST_NAME))
+    if raw is None:
+        raise SalvageError(
+            f"{loc.url(MANIFEST_NAME)} does not exist, so nothing there can be proven: upload the folder with "
+            f"`dflash s3 push DIR {loc.url()}` (it writes the manifest), or pull a salvage set's prefix")
+    try:
+        manifest = check_manifest(raw, loc.url(MANIFEST_NAME))
+    except ManifestError as exc:
+        raise SalvageError(str(exc)) from None
+    files = {r: e for r, e in manifest["files"].items() if "sha256" in e}
+    links = {r: e["symlink"] for r, e in manifest["files"].items() if "symlink" in e}
+    objects = _object_sizes(client, loc, sorted(files), manifest.get("locations", {}))
+    broken = [f"{rel}: {_why_object(size, files[rel]['size'])} (s3://{b}/{k})"
+              for rel, (b, k, size) in objects.items() if size != files[rel]["size"]]
+    if broken:
+        raise SalvageError(f"{len(broken)} object(s) under {loc.url()} do not match its manifest, so the copy "
+                           "there is incomplete; nothing was downloaded: " + "; ".join(broken[:20]))
+
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(max(1, min(4, workers))) as pool:  # hashing what is already there
+        states = dict(zip(files, pool.map(lambda r: _local_state(dest / r, files[r]), files)))
+    todo = sorted(r for r, s in states.items() if s != "same")
+    partial_root = dest / PARTIAL_DIR
+    have = {r: (partial_root / r).stat().st_size for r in todo if (partial_root / r).is_file()}
+    need = sum(files[r]["size"] - min(have.get(r, 0), files[r]["size"]) for r in todo)
+    free_at = dest if dest.exists() else next(p for p in dest.parents if p.exists())
+    free = shutil.disk_usage(free_at).free
+    report: dict[str, Any] = {
+        "s3": loc.url(), "dest": str(dest), "check": check, "files": len(files), "links": len(links),
+        "bytes": sum(e["size"] for e in files.values()),
+        "present": len(files) - len(todo), "to_download": len(todo), "to_download_bytes": need,
+        "plan": [{"path": r, "why": states[r], "size": files[r]["size"], "partial_bytes": have.get(r, 0)} for r in todo],
+    }
+    if need > free:
+        raise SalvageError(f"{dest}: {need / 2**30:.2f} GiB to download but only {free / 2**30:.2f} GiB free on "
+                           f"{free_at}; nothing was downloaded")
+    if check:
+        report.update(downloaded=0, downloaded_bytes=0, resumed_bytes=0, failed=[], links_placed=0, ok=True,
+                      seconds=round(time.monotonic() - t0, 3))
+        return report
+
+    dest.mkdir(parents=True, exist_ok=True)
+    throttle = _Throttle(bwlimit_kbps)
+    bar = s3lib.Progress(need, f"download from {loc.url()}", progress)
+
+    def one(rel: str) -> dict[str, Any]:
+        bucket, key, _ = objects[rel]
+        entry, part = files[rel], partial_root / rel
+        res: dict[str, Any] = {"path": rel, "bytes": 0, "resumed_from": 0}
+        try:
+            for attempt in range(2):
+                got = _fetch(client, bucket, key, entry, part, throttle, bar)
+                res["bytes"] += got["bytes"]
+                if attempt == 0:
+                    res["resumed_from"] = got["resumed_from"]
+                if got["sha256"] == entry["sha256"]:
+                    _place(part, dest / rel, entry)
+                    res["ok"] = True
+                    return res
+                part.unlink(missing_ok=True)  # a bad partial (or a bad transfer): once more from the start
+                part.with_name(part.name + ".etag").unlink(missing_ok=True)
+            res.update(ok=False, error=f"sha256 {got['sha256'][:12]}... after two downloads, the manifest says "
+                                       f"{entry['sha256'][:12]}... (the object does not hold the bytes its manifest names)")
+        except Exception as exc:  # noqa: BLE001 - one failed object must not hide the others' results
+            res.update(ok=False, error=f"{type(exc).__name__}: {exc}")
+        return res
+
+    with ThreadPoolExecutor(max(1, workers)) as pool:
+        results = list(pool.map(one, todo))
+    bar.close()
+    placed_links = sum(_place_link(dest / r, to) for r, to in links.items())
+    failed = [{"path": r["path"], "error": r["error"]} for r in results if not r["ok"]]
+    if not failed:
+        # every file is in place: what is left are empty folders (or partials of files no longer named)
+        shutil.rmtree(partial_root, ignore_errors=True)
+        atomic_write_text(beside(dest), _manifest_text(manifest))
+    local, local_links = scan(dest)
+    report.update(
+        downloaded=sum(r["ok"] for r in results), downloaded_bytes=sum(r["bytes"] for r in results),
+        resumed_bytes=sum(r["resumed_from"] for r in results), failed=failed, links_placed=placed_links,
+        extra=sorted(set(local) - set(files)) + sorted(set(local_links) - set(links)),
+        manifest=str(beside(dest)) if not failed else None, ok=not failed, seconds=round(time.monotonic() - t0, 3),
+    )
+    return report
+
+
+def _manifest_text(manifest: dict[str, Any]) -> str:
+    keep = {k: v for k, v in manifest.items() if k not in ("records", "locations", "pushed_to")}
+    return json.dumps(keep, indent=1) + "\n"
