@@ -142,6 +142,25 @@ def systemd_host(bed, provision_vars, tmp_path_factory):
     return host
 
 
+def gateway(host) -> str:
+    """The controller's side of a test host's veth link (the host is .2 of its /24, the controller .1)."""
+    return host.addr.rsplit(".", 1)[0] + ".1"
+
+
+@pytest.fixture(scope="session")
+def rgw(bed):
+    """A real S3 server (Ceph radosgw) on the controller's 127.0.0.1 and on each sshd host's link, so a
+    host reaches it from inside its namespace at http://<gateway(host)>:<port>; bucket `salvage`."""
+    from tests.s3servers import RadosGW, client, have_radosgw
+
+    if not have_radosgw():
+        pytest.fail("Ceph radosgw is not installed: run scripts/setup-system (requirements/apt.txt)")
+    server = RadosGW(also_listen=tuple(gateway(h) for h in bed.hosts.values() if not h.container)).start()
+    client(server.endpoint_url).create_bucket(Bucket="salvage")
+    yield server
+    server.stop()
+
+
 @pytest.fixture
 def runner(tmp_path):
     return Runner(tmp_path)

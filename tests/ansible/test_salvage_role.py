@@ -17,29 +17,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.ansible.conftest import gateway
 from tests.conftest import write_config
-from tests.s3servers import TEST_ACCESS_KEY, TEST_SECRET_KEY, RadosGW, client, have_radosgw
+from tests.s3servers import TEST_ACCESS_KEY, TEST_SECRET_KEY, client
 from trainer.checkpoint import read_latest, verify_checkpoint
 from trainer.events import load_events
 
 pytestmark = pytest.mark.slow
 FAST = {"max_tokens_per_batch": 256, "max_anchors": 32, "lr": 1.0e-3, "warmup_steps": 2}
-
-
-def gateway(host) -> str:
-    """The controller's side of a test host's veth link (the host is .2 of its /24, the controller .1)."""
-    return host.addr.rsplit(".", 1)[0] + ".1"
-
-
-@pytest.fixture(scope="module")
-def rgw(bed):
-    if not have_radosgw():
-        pytest.fail("Ceph radosgw is not installed: run scripts/setup-system (requirements/apt.txt)")
-    # also on node-b's link, so that node-b pushes from inside its namespace (salvage_push_from: node)
-    server = RadosGW(also_listen=(gateway(bed.hosts["node-b"]),)).start()
-    client(server.endpoint_url).create_bucket(Bucket="salvage")
-    yield server
-    server.stop()
 
 
 @pytest.fixture(scope="module")
