@@ -25,6 +25,7 @@ salvage. Light side: boto3 is imported lazily, no torch.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -135,21 +136,25 @@ def _fetch(client, bucket: str, key: str, entry: dict[str, Any], part: Path, thr
     else:
         part.unlink(missing_ok=True)
         atomic_write_text(tag_file, etag)
+    digest = hashlib.sha256()
+    if offset:
+        with open(part, "rb") as fh:  # the bytes a killed pull left: hashed, not fetched again
+            for chunk in iter(lambda: fh.read(MiB), b""):
+                digest.update(chunk)
     moved = 0
-    if offset < entry["size"]:
-        kw = {"Range": f"bytes={offset}-"} if offset else {}
-        body = client.get_object(Bucket=bucket, Key=key, IfMatch=etag, **kw)["Body"]
-        with open(part, "ab") as fh:
+    with open(part, "ab") as fh:
+        if offset < entry["size"]:
+            kw = {"Range": f"bytes={offset}-"} if offset else {}
+            body = client.get_object(Bucket=bucket, Key=key, IfMatch=etag, **kw)["Body"]
             for chunk in body.iter_chunks(MiB):
                 fh.write(chunk)
+                digest.update(chunk)  # hashed as it lands: no second read of the file
                 moved += len(chunk)
                 bar(len(chunk))
                 throttle(len(chunk))
-            fh.flush()
-            os.fsync(fh.fileno())
-    elif not part.exists():
-        part.touch()  # an empty object
-    return {"resumed_from": offset, "bytes": moved, "sha256": sha256_file(part)}
+        fh.flush()
+        os.fsync(fh.fileno())  # on disk before the rename makes it the real file
+    return {"resumed_from": offset, "bytes": moved, "sha256": digest.hexdigest()}
 
 
 def _place(part: Path, target: Path, entry: dict[str, Any]) -> None:
