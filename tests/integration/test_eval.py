@@ -17,11 +17,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.conftest import tiny_prompts
-from trainer.checkpoint import read_latest
+from trainer.checkpoint import read_latest, read_meta
 from trainer.eval.harness import CachedDrafter, speculate, target_greedy
 from trainer.eval.models import HookedTarget, aux_ids_of, load_drafter, speculators_folder
 from trainer.eval.prompts import write_prompt_file
 from trainer.eval.reference import ReferenceTarget, speculate_reference, training_path_logits
+from trainer.events import load_events
 
 pytestmark = pytest.mark.slow
 
@@ -148,6 +149,12 @@ def test_eval_cli_report_reference_and_comparison(trained_drafter, tiny_target, 
     assert f"**{rep['tau']:.3f}**" in md and "report.png" in md
     assert (tmp_path / "r" / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "prompt/s" in res.stderr, "no progress bar"
+    # the run's own stream gets an eval event (the monitor's tau panel, its metrics, the salvage notes)
+    ev = [e for e in load_events(trained_drafter / "events.jsonl") if e["event"] == "eval"][-1]
+    latest = read_latest(trained_drafter)
+    assert ev["tau"] == rep["tau"] and ev["checkpoint"] == latest.name and ev["step"] == read_meta(latest)["step"]
+    assert ev["run_id"] and ev["report"] == str(tmp_path / "r" / "report.json") and ev["lossless_ok"] is True
+    assert f"recorded tau in {trained_drafter / 'events.jsonl'}" in res.stdout
 
     ref = dflash_here(capsys, "eval", "--drafter", trained_drafter, *common, "--reference", "--out", tmp_path / "ref.json")
     assert ref.returncode == 0, ref.stderr[-3000:]
