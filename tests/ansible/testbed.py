@@ -2,9 +2,13 @@
 nodes), reached with a generated key and host key checking ON (a known_hosts file of their real host
 keys). Hosts share this machine's filesystem, so each gets its own root folder (`dflash_root`).
 
-Used by tests/ansible/ (pytest fixtures), the molecule scenarios (roles/*/molecule/default/) and
-bench/sync.py. Needs root, iproute2, openssh-server (requirements/apt.txt). Everything it creates is
-removed by `Testbed.close()` (namespaces, veth links, sshd processes it started)."""
+Used by tests/ansible/ (pytest fixtures), the molecule scenarios (roles/*/molecule/default/, through the
+CLI below) and bench/sync.py. Needs root, iproute2, openssh-server (requirements/apt.txt). Everything it
+creates is removed by `Testbed.close()` (namespaces, veth links, sshd processes it started).
+
+CLI (the hosts outlive the command; DIR/state.json records what `down` removes):
+    python -m tests.ansible.testbed up --dir DIR [--names node-a node-b] [--inventory PATH] [--var KEY=VALUE ...]
+    python -m tests.ansible.testbed down --dir DIR      (idempotent: nothing recorded, nothing to do)"""
 
 from __future__ import annotations
 
@@ -79,6 +83,9 @@ class Testbed:
 
     def add_host(self, name: str, port: int) -> Host:
         tag = f"{os.getpid() % 100000}{len(self.hosts)}"
+        taken = {line.split()[0] for line in _run("ip", "netns", "list", check=False).stdout.splitlines() if line.strip()}
+        while f"dflash5-{tag}" in taken:  # the CLI's pid may be reused by a later `up` while these hosts run
+            tag = f"{random.randint(0, 99999)}{len(self.hosts)}"
         ns = f"dflash5-{tag}"
         third = _free_subnet()
         veth, peer = f"d5{tag}a"[:15], f"d5{tag}b"[:15]
@@ -157,7 +164,7 @@ class Testbed:
         for h in self.hosts.values():
             if h.container:
                 continue
-            if h.pid:
+            if h.pid and _is_our_sshd(h.pid, h.workdir):  # a recorded pid may be reused by now
                 try:
                     os.kill(h.pid, signal.SIGTERM)
                 except ProcessLookupError:
@@ -173,6 +180,28 @@ class Testbed:
             _run("ip", "netns", "del", ns, check=False)  # deletes the veth pair with it
         self.hosts.clear()
         self.links.clear()
+
+    def save(self, path: Path) -> Path:
+        """Write what `load` (and `down`) needs to find and remove everything: hosts, pids, namespaces,
+        containers."""
+        state = {
+            "workdir": str(self.workdir),
+            "hosts": {n: {**{k: getattr(h, k) for k in ("name", "ns", "addr", "port", "pid", "container")},
+                          "root": str(h.root), "workdir": str(h.workdir)} for n, h in self.hosts.items()},
+            "links": list(self.links),
+            "containers": list(self.containers),
+        }
+        tmp = Path(path).with_suffix(".tmp")
+        tmp.write_text(json.dumps(state, indent=1) + "\n")
+        tmp.replace(path)
+        return Path(path)
+
+    @classmethod
+    def load(cls, path: Path) -> Testbed:
+        state = json.loads(Path(path).read_text())
+        hosts = {n: Host(**{**h, "root": Path(h["root"]), "workdir": Path(h["workdir"])})
+                 for n, h in state["hosts"].items()}
+        return cls(Path(state["workdir"]), hosts, list(state["links"]), list(state["containers"]))
 
     def inventory(self, path: Path, extra_hostvars: dict[str, dict] | None = None, group: str = "testhosts",
                   group_vars: dict | None = None) -> Path:
@@ -210,6 +239,15 @@ def _podman(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 def build_systemd_image() -> None:
     subprocess.run([str(Path(__file__).resolve().parent / "build-systemd-image")], check=True)
+
+
+def _is_our_sshd(pid: int, hdir: Path) -> bool:
+    """Whether `pid` is still the sshd this testbed started for the host folder `hdir`."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return False
+    return "sshd" in cmdline and str(hdir) in cmdline
 
 
 def _free_port() -> int:
@@ -263,13 +301,68 @@ def preconditions() -> str | None:
     return None
 
 
-if __name__ == "__main__":  # manual use: python -m tests.ansible.testbed DIR  (Ctrl-C tears down)
-    import sys
+STATE = "state.json"
 
-    bed = start(Path(sys.argv[1]))
-    bed.inventory(Path(sys.argv[1]) / "inventory.yml")
-    print(json.dumps({n: [h.addr, h.port] for n, h in bed.hosts.items()}))
+
+def up(workdir: Path, names: tuple[str, ...], inventory: Path | None = None, group_vars: dict | None = None) -> dict:
+    """Start hosts in `workdir`, record them in workdir/state.json, write the inventory; they keep running."""
+    workdir = Path(workdir).resolve()
+    if (workdir / STATE).exists() and Testbed.load(workdir / STATE).hosts:
+        raise SystemExit(f"testbed: {workdir} already has running hosts (run `down --dir {workdir}` first)")
+    why = preconditions()
+    if why:
+        raise SystemExit(f"testbed: real test hosts cannot start here: {why}")
+    bed = start(workdir, names)
     try:
-        signal.pause()
-    finally:
+        bed.save(workdir / STATE)
+        inv = bed.inventory(Path(inventory) if inventory else workdir / "inventory.yml", group_vars=group_vars)
+    except BaseException:
         bed.close()
+        raise
+    return {"state": str(workdir / STATE), "inventory": str(inv),
+            "hosts": {n: {"addr": h.addr, "port": h.port, "root": str(h.root)} for n, h in bed.hosts.items()}}
+
+
+def down(workdir: Path) -> dict:
+    """Stop everything workdir/state.json records (no state, or already down: nothing to do)."""
+    path = Path(workdir).resolve() / STATE
+    if not path.exists():
+        return {"removed": []}
+    bed = Testbed.load(path)
+    removed = sorted(bed.hosts)
+    bed.close()
+    bed.containers.clear()
+    bed.save(path)  # now records nothing: a second `down` is a no-op
+    return {"removed": removed}
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m tests.ansible.testbed", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    u = sub.add_parser("up", help="start sshd hosts in network namespaces (they outlive this command)")
+    u.add_argument("--dir", required=True, type=Path, help="testbed folder (keys, host roots, state.json)")
+    u.add_argument("--names", nargs="+", default=["node-a", "node-b"], help="host names (default: node-a node-b)")
+    u.add_argument("--inventory", type=Path, help="where to write the inventory (default: DIR/inventory.yml)")
+    u.add_argument("--var", action="append", default=[], metavar="KEY=VALUE",
+                   help="an extra variable for all hosts in the inventory (repeatable; VALUE is YAML)")
+    d = sub.add_parser("down", help="stop the hosts DIR/state.json records (idempotent)")
+    d.add_argument("--dir", required=True, type=Path)
+    args = ap.parse_args(argv)
+    if args.cmd == "up":
+        group_vars = {}
+        for kv in args.var:
+            key, sep, value = kv.partition("=")
+            if not sep:
+                ap.error(f"--var {kv!r}: expected KEY=VALUE")
+            group_vars[key] = yaml.safe_load(value) if value else ""
+        out = up(args.dir, tuple(args.names), args.inventory, group_vars)
+    else:
+        out = down(args.dir)
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
