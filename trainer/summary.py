@@ -30,6 +30,8 @@ def render_summary(run_dir: Path) -> str:
         f"accuracy by draft position (last step): {pos or '-'}",
         f"speed    {f(s['tokens_per_s'], 0)} tokens/s",
         f"ckpt     {s['last_checkpoint'] or '-'}  ({len(s['checkpoints'])} written)",
+        "eval     " + ("-  (no `dflash eval` of this run's checkpoints yet)" if s["last_eval_tau"] is None else
+                       f"tau {s['last_eval_tau']:.3f} at step {f(s['last_eval_step'])} (dflash eval, {s['evals']} in all)"),
     ]
     if s.get("layout"):
         lay = s["layout"]

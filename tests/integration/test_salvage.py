@@ -191,6 +191,7 @@ def test_salvage_end_to_end_on_radosgw(tmp_path, tiny_target, tiny_data, rgw):
         assert f"| {sglang.pid} | server |" in notes and "left running" in notes
         assert f"stopped at step {stop['end']['step']} with final checkpoint {final['name']}" in notes
         assert "data gate **PASSED**" in notes and url in notes
+        assert "## The run, from its event stream" in notes and f"progress step {stop['end']['step']}/" in notes
         report = json.loads((set_dir / "salvage-report.json").read_text())
         assert report["node_can_go"] is True and report["stop"]["state"] == "stopped"
         dflash("push", set_dir, "--s3", url, "--endpoint-url", rgw.endpoint_url, "--no-progress", check_rc=0)

@@ -274,3 +274,17 @@ def test_summary_is_built_on_the_shared_state(tmp_path):
     assert "[completed]" in text and "step 20/20" in text and "19.5000 -> 1.5000" in text
     with pytest.raises(FileNotFoundError):
         summarize(Path(tmp_path) / "none")
+
+
+def test_eval_events_reach_the_summary_and_its_text(tmp_path):
+    from trainer.events import EventWriter
+    from trainer.summary import render_summary
+
+    w = EventWriter(tmp_path, "r")
+    w.emit("run_start", totals={"steps": 10})
+    w.emit("step", step=1, loss=2.0)
+    assert "no `dflash eval` of this run's checkpoints yet" in render_summary(tmp_path)
+    w.emit("eval", step=1, checkpoint="step-00000001", tau=1.25, rounds=4)
+    w.emit("eval", step=1, checkpoint="step-00000001", tau=1.5, rounds=4)
+    text = render_summary(tmp_path)
+    assert "tau 1.500 at step 1 (dflash eval, 2 in all)" in text

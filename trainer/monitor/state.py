@@ -230,6 +230,8 @@ class RunState:
             "checkpoints": [c["name"] for c in self.checkpoints],
             "last_checkpoint": self.checkpoints[-1]["name"] if self.checkpoints else None,
             "last_eval_tau": num(self.evals[-1].get("tau")) if self.evals else None,
+            "last_eval_step": self.evals[-1].get("step") if self.evals else None,
+            "evals": len(self.evals),
             "warnings": [w.get("message") or w.get("kind") for w in self.warnings],
             "wall_s": (self.end or {}).get("wall_s"),
         }

@@ -132,6 +132,16 @@ def render_notes(set_dir: Path, steps: dict[str, Any]) -> str:
                 L.append(f"- also stopped (salvage_stop_unknown): pid {o['pid']} {o.get('what', '')}: {o['result']}")
         L.append("")
 
+    run_copy = Path(set_dir) / "run"
+    if (run_copy / "events.jsonl").is_file():
+        from trainer.summary import render_summary
+
+        try:
+            text = render_summary(run_copy)
+        except (FileNotFoundError, ValueError) as exc:
+            text = f"the run's event stream cannot be read: {exc}"
+        L += ["## The run, from its event stream", "", "```text", text, "```", ""]
+
     L += ["## Where every artifact lives", ""]
     push = steps.get("push")
     base = push.get("s3") if push else None
@@ -228,8 +238,9 @@ def write_notes(set_dir: Path) -> dict[str, Any]:
     text = render_notes(set_dir, steps)
     report = {"report_version": 1, "node_can_go": ok, "reasons": reasons, **_stable(steps)}
     old = [(set_dir / n).read_text() if (set_dir / n).is_file() else None for n in (NOTES_NAME, REPORT_NAME)]
-    atomic_write_text(set_dir / NOTES_NAME, text)
-    atomic_write_text(set_dir / REPORT_NAME, json.dumps(report, indent=1, default=str, sort_keys=True) + "\n")
-    new = [(set_dir / n).read_text() for n in (NOTES_NAME, REPORT_NAME)]
+    new = [text, json.dumps(report, indent=1, default=str, sort_keys=True) + "\n"]
+    for name, before, after in zip((NOTES_NAME, REPORT_NAME), old, new, strict=True):
+        if before != after:  # an unchanged file keeps its mtime: a later fetch of the set moves nothing
+            atomic_write_text(set_dir / name, after)
     return {"notes": str(set_dir / NOTES_NAME), "report": str(set_dir / REPORT_NAME), "node_can_go": ok,
             "reasons": reasons, "changed": old != new}
