@@ -65,9 +65,23 @@ def build_drafter(cfg: RunConfig, device: torch.device):
     )
     if list(model.target_layer_ids) != list(cfg.drafter.aux_ids):  # never silently rewired
         raise RuntimeError(f"drafter wired to {model.target_layer_ids}, config asks {cfg.drafter.aux_ids}")
+    share_frozen_head(model)
     if cfg.drafter.warm_start is not None:
         load_trainable_weights(model, Path(cfg.drafter.warm_start) / "model.safetensors")
     return model.to(device)
+
+
+def share_frozen_head(model) -> bool:
+    """With the full vocabulary, speculators loads the target's lm_head into both lm_head and
+    verifier_lm_head, both frozen and neither saved: one tensor serves both (saves vocab x hidden
+    fp32 per rank). A reduced draft vocabulary keeps its own lm_head. Returns whether it shared."""
+    if model.use_draft_vocab:
+        return False
+    head, verifier = model.lm_head.weight, model.verifier_lm_head.weight
+    if head.requires_grad or verifier.requires_grad or not torch.equal(head, verifier):
+        raise RuntimeError("lm_head and verifier_lm_head differ or are trainable: cannot share them")
+    model.lm_head.weight = verifier
+    return True
 
 
 def trainable_state(model) -> dict[str, torch.Tensor]:

@@ -45,7 +45,9 @@ def test_drafter_takes_the_targets_embedding_head_and_final_norm(make_config, ti
     assert torch.equal(d.embed_tokens.weight, target["model.embed_tokens.weight"])
     assert torch.equal(d.verifier_lm_head.weight, target["lm_head.weight"])
     assert torch.equal(d.verifier_norm.weight, target["model.norm.weight"])
-    frozen = {n for n, p in d.named_parameters() if not p.requires_grad}
+    frozen = {n for n, p in d.named_parameters(remove_duplicate=False) if not p.requires_grad}
     assert {"embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight"} <= frozen
+    assert d.lm_head.weight is d.verifier_lm_head.weight, "one frozen head serves both (sizing counts one)"
+    assert not d.lm_head.weight.requires_grad
     assert d.fc.in_features == 2 * 64, "fc wired to every configured aux layer"
     assert d.config.transformer_layer_config._attn_implementation == "sdpa"
