@@ -95,6 +95,11 @@ class TrainConfig(_Section):
         "auto", description="auto: bf16 autocast on CUDA, float32 on CPU"
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA when visible, else CPU")
+    shard_optimizer_state: bool = Field(
+        True,
+        description="with more than one rank, shard AdamW's moments over the data-parallel ranks (ZeRO-1, "
+        "torch ZeroRedundancyOptimizer); checkpoints hold the full state either way",
+    )
     log_every: int = Field(1, ge=1, description="steps between step events")
     stop_timeout_s: float = Field(
         600.0, gt=0, description="bound on SIGTERM -> final checkpoint -> exit; past it the run exits 3"

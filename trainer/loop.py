@@ -228,9 +228,14 @@ class Trainer:
         self.n_trainable = count_trainable(self.drafter)
         self.loss_config = resolve_loss_config(cfg.train.loss, loss_implementation(d.device))
         params = [p for p in self.drafter.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            params, lr=cfg.train.lr, betas=cfg.train.betas, weight_decay=cfg.train.weight_decay
-        )
+        adamw = {"lr": cfg.train.lr, "betas": cfg.train.betas, "weight_decay": cfg.train.weight_decay}
+        self.sharded = d.enabled and cfg.train.shard_optimizer_state
+        if self.sharded:  # ZeRO-1: each rank keeps the moments of its share of the parameters
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            self.optimizer = ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, **adamw)
+        else:
+            self.optimizer = torch.optim.AdamW(params, **adamw)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         ds = open_dataset(cfg.data.path)
         stats = compute_stats(ds)
@@ -267,14 +272,15 @@ class Trainer:
 
         state = ckpt.load_trainer_state(folder)
         load_trainable_weights(self.drafter, folder / "model.safetensors")
+        if not state["optimizer"].get("state"):
+            raise ckpt.CheckpointError(f"{folder}: optimizer state is empty: refusing a resume that restores nothing")
+        # the full (consolidated) state on every rank; ZeRO-1 keeps only this rank's share of it
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.sampler.load_state_dict(state["sampler"][self.d.rank] if isinstance(state["sampler"], list) else state["sampler"])
         rngs = state["rng"]
         set_rng_state(rngs[self.d.rank] if isinstance(rngs, list) else rngs)
         self.step, self.tokens = int(state["step"]), int(state["tokens"])
-        if not state["optimizer"].get("state"):
-            raise ckpt.CheckpointError(f"{folder}: optimizer state is empty: refusing a resume that restores nothing")
         self.resumed_from = folder.name
         self.log(f"resumed from {folder.name} (step {self.step}, {self.tokens} tokens)")
 
@@ -285,8 +291,16 @@ class Trainer:
         dist.all_gather_object(out, obj)
         return out
 
+    def local_moment_numel(self) -> int:
+        """Elements of the Adam moments (exp_avg + exp_avg_sq) this rank holds."""
+        local = self.optimizer.optim if self.sharded else self.optimizer
+        return sum(v.numel() for st in local.state.values() for k, v in st.items() if k in ("exp_avg", "exp_avg_sq"))
+
     def save(self, reason: str) -> None:
         d = self.d
+        if self.sharded:  # a collective: every rank sends its shard, rank 0 gets the full state
+            self.optimizer.consolidate_state_dict(to=0)
+        moments = self._gather(self.local_moment_numel())
         samplers = self._gather(self.sampler.state_dict())
         rngs = self._gather(rng_state())
         sums = torch.cat(self._gather(param_checksum(self.drafter)))
@@ -305,7 +319,8 @@ class Trainer:
                     "world_size": d.world_size, "ranks_in_sync": in_sync}
             saved = ckpt.save_checkpoint(self.cfg.out_dir, self.step, self.drafter, state, meta, self.cfg.train.keep_checkpoints)
             self.emit("checkpoint", step=self.step, name=saved.path.name, path=str(saved.path), size_bytes=saved.size_bytes,
-                      seconds=round(saved.seconds, 3), reason=reason, ranks_in_sync=in_sync, removed=saved.removed)
+                      seconds=round(saved.seconds, 3), reason=reason, ranks_in_sync=in_sync, removed=saved.removed,
+                      optimizer_sharded=self.sharded, moment_numel_per_rank=moments)
             self.log(f"checkpoint {saved.path.name} ({saved.size_bytes / 2**20:.1f} MiB, {saved.seconds:.2f}s, {reason})")
         if d.enabled:
             dist.barrier()
@@ -447,7 +462,8 @@ class Trainer:
             layout={"world_size": d.world_size, "device": str(d.device), "target_devices": [str(x) for x in d.target_devices],
                     "gpus_per_copy": cfg.target.gpus_per_copy, "precision": "bf16-autocast" if self._bf16 else "fp32",
                     "aux_ids": cfg.drafter.aux_ids, "target_layers": self.source.num_layers,
-                    "hidden_size": self.source.hidden_size, "drafter_trainable_params": self.n_trainable},
+                    "hidden_size": self.source.hidden_size, "drafter_trainable_params": self.n_trainable,
+                    "optimizer": "ZeroRedundancyOptimizer(AdamW)" if self.sharded else "AdamW"},
             totals={"total_steps": total, "max_tokens_per_step": cfg.train.max_tokens_per_batch * d.world_size,
                     "total_tokens": cfg.train.max_tokens_per_batch * d.world_size * total, "data": self.data_totals},
             pid=os.getpid(),

@@ -160,6 +160,60 @@ def test_two_process_gloo_ddp_keeps_ranks_identical(tmp_path, tiny_target, tiny_
     assert steps[0]["batch_tokens"] > 256, "tokens are summed over both ranks"
 
 
+def run_torchrun(cfg: Path, timeout=400) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "trainer.cli", "train", "--config", str(cfg)],
+        env=ENV, capture_output=True, text=True, timeout=timeout, check=False,
+    )
+
+
+def test_zero1_shards_adam_moments_and_resumes_exactly(tmp_path, tiny_target, tiny_data):
+    """train.shard_optimizer_state (default): each of 2 gloo ranks holds about half the Adam moments
+    (counted on the rank's own optimizer), the checkpoint holds the full state, and a resume from it
+    continues exactly like the uninterrupted run; plain AdamW on both ranks trains the same weights."""
+    import shutil
+
+    ref = cfg_file(tmp_path, tiny_target, tiny_data, name="ref", max_steps=6, checkpoint_every=3)
+    res = run_torchrun(ref)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    out = tmp_path / "ref"
+    start = events_of(out, "run_start")[0]
+    assert start["layout"]["optimizer"] == "ZeroRedundancyOptimizer(AdamW)"
+    total = 2 * start["layout"]["drafter_trainable_params"]  # exp_avg + exp_avg_sq
+    for c in events_of(out, "checkpoint"):
+        per_rank = c["moment_numel_per_rank"]
+        assert c["optimizer_sharded"] and sum(per_rank) == total and len(per_rank) == 2
+        assert all(0.25 * total < n < 0.75 * total for n in per_rank), per_rank
+    state = torch.load(read_latest(out) / "trainer_state.pt", map_location="cpu", weights_only=False)
+    saved = sum(v.numel() for st in state["optimizer"]["state"].values() for k, v in st.items()
+                if k in ("exp_avg", "exp_avg_sq"))
+    assert saved == total, "the checkpoint holds the consolidated (full) optimizer state"
+
+    resumed = tmp_path / "resumed"  # only ref's step-3 checkpoint: the run resumes there
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(out / "checkpoints" / "step-00000003", resumed / "checkpoints" / "step-00000003")
+    (resumed / "checkpoints" / "latest").write_text("step-00000003\n")
+    res = run_torchrun(write_config(tmp_path / "resumed.yaml", tiny_target, tiny_data, resumed,
+                                    train={**FAST, "max_steps": 6, "checkpoint_every": 3}))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert events_of(resumed, "run_start")[-1]["resumed_from"] == "step-00000003"
+    ref_loss = {s["step"]: s["loss"] for s in events_of(out, "step")}
+    assert {s["step"]: s["loss"] for s in events_of(resumed, "step")} == {k: ref_loss[k] for k in (4, 5, 6)}
+    a, b = final_weights(out), final_weights(resumed)
+    assert [k for k in a if not torch.equal(a[k], b[k])] == [], "resumed ZeRO run differs from the uninterrupted one"
+
+    plain = cfg_file(tmp_path, tiny_target, tiny_data, name="plain", max_steps=6, checkpoint_every=3,
+                     shard_optimizer_state=False)
+    res = run_torchrun(plain)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    ck = events_of(tmp_path / "plain", "checkpoint")[-1]
+    assert not ck["optimizer_sharded"] and ck["moment_numel_per_rank"] == [total, total]
+    c = final_weights(tmp_path / "plain")
+    for k in a:
+        torch.testing.assert_close(a[k], c[k], rtol=1e-5, atol=1e-6)
+
+
 def _broken_target(tmp_path, tiny_target, value: float) -> Path:
     import shutil
 
