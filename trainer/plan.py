@@ -8,17 +8,13 @@ facts (`--facts reports/<host>/recon.json`, written by the gpu_facts role).
 
 Layout rule: the smallest number of GPUs per copy n (a divisor of the GPU count) for which the
 per-GPU estimate fits in `usable_share` of a GPU's memory; data-parallel width = count // n. The
-estimate per GPU is
+estimate is that of the copy's first GPU (it holds 1/n of the target's layers AND the drafter, its
+optimizer, features and loss) from `trainer/sizing.py`, the one memory model `dflash preflight`
+uses too: it models the trainer as it runs (fp32 drafter, DDP, AdamW moments sharded by ZeRO-1 when
+`train.shard_optimizer_state`, full [anchors x block, vocab] logits, fused loss on CUDA). When no
+layout fits, the reason names the largest part and the `--anchors` that would fit.
 
-  target weights / n                       (layer-wise split or TP: each GPU holds 1/n of the layers)
-+ drafter trainable state / data_parallel  (bf16 weights + fp32 master, grads and Adam moments,
-                                            sharded over the data-parallel ranks: ZeRO-1/FSDP)
-+ drafter frozen copies                    (embed_tokens + lm_head of the target, target dtype)
-+ activations                              (captured aux hidden states + drafter layers on
-                                            anchors x block query tokens + a loss chunk's logits)
-+ runtime reserve                          (CUDA context, allocator slack)
-
-Every assumption is a named constant below and is echoed in the JSON under `assumptions`.
+Every assumption is a named constant and is echoed in the JSON under `assumptions`.
 """
 
 from __future__ import annotations
@@ -28,6 +24,9 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from trainer.sizing import ASSUMPTIONS as SIZING_ASSUMPTIONS
+from trainer.sizing import Shapes, per_device_bytes
 
 GIB = float(2**30)
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8": 1}
@@ -49,11 +48,9 @@ GPU_ALIASES = {"PRO6000": "RTX-PRO-6000-96GB", "RTX-PRO-6000": "RTX-PRO-6000-96G
 
 ASSUMPTIONS = {
     "usable_share": 0.92,  # of a GPU's memory the estimate may fill (fragmentation, NCCL buffers)
-    "runtime_reserve_gib": 1.0,  # CUDA context + cuBLAS/NCCL workspaces per GPU
-    "drafter_state_bytes_per_param": 18,  # bf16 weight + fp32 master + fp32 grad + 2 fp32 Adam moments
-    "drafter_state_sharded": True,  # over the data-parallel ranks (ZeRO-1/FSDP)
-    "activation_copies": 4,  # saved tensors of width hidden per query token and drafter layer
-    "loss_chunk_positions": 512,  # logits are computed for this many positions at a time (fp32, x3)
+    "memory_model": "trainer/sizing.py",
+    **SIZING_ASSUMPTIONS,
+    "shard_optimizer_state": True,  # train.shard_optimizer_state's default (ZeRO-1)
     "mfu": 0.35,  # model FLOPs utilisation of the target forward (bf16)
     "drafter_compute_share": 0.25,  # drafter forward+backward time relative to the target forward
 }
@@ -179,27 +176,39 @@ def gpus_from_facts(path: Path) -> tuple[str, dict[str, Any], int]:
     return name, spec, count
 
 
+def shapes(t: TargetShape, draft_layers: int, n_aux: int) -> Shapes:
+    return Shapes(target_params=t.params, target_dtype_bytes=DTYPE_BYTES[t.dtype], hidden=t.hidden, vocab=t.vocab,
+                  intermediate=t.intermediate, heads=t.heads, kv_heads=t.kv_heads, head_dim=t.head_dim,
+                  draft_layers=draft_layers, n_aux=n_aux)
+
+
 def drafter_params(t: TargetShape, layers: int, n_aux: int) -> int:
-    return layers * _layer_params(t.hidden, t.heads, t.kv_heads, t.head_dim, t.intermediate) + n_aux * t.hidden**2 + 2 * t.hidden
+    return shapes(t, layers, n_aux).drafter_trainable
 
 
 def per_gpu_bytes(t: TargetShape, n: int, dp: int, draft_layers: int, n_aux: int, block: int, anchors: int,
                   tokens: int) -> dict[str, float]:
-    a = ASSUMPTIONS
-    wb = DTYPE_BYTES[t.dtype]
-    trainable = drafter_params(t, draft_layers, n_aux) * a["drafter_state_bytes_per_param"]
-    if a["drafter_state_sharded"]:
-        trainable /= dp
-    q_tokens = anchors * block
-    return {
-        "target_weights": t.params * wb / n,
-        "drafter_trainable_state": trainable,
-        "drafter_frozen": t.vocab * t.hidden * wb * 2,
-        "activations": (n_aux * tokens * t.hidden * wb
-                        + draft_layers * a["activation_copies"] * q_tokens * t.hidden * wb
-                        + a["loss_chunk_positions"] * t.vocab * 4 * 3),
-        "runtime_reserve": a["runtime_reserve_gib"] * GIB,
-    }
+    return per_device_bytes(shapes(t, draft_layers, n_aux), gpus_per_copy=n, data_parallel=dp, tokens=tokens,
+                            anchors=anchors, block=block, device="cuda",
+                            shard_optimizer_state=ASSUMPTIONS["shard_optimizer_state"])
+
+
+def max_anchors_that_fit(t: TargetShape, n: int, dp: int, draft_layers: int, n_aux: int, block: int, anchors: int,
+                         tokens: int, budget: float) -> int:
+    """The largest anchors <= `anchors` whose estimate fits `budget` (0: none does)."""
+    lo, hi = 0, anchors
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if sum(per_gpu_bytes(t, n, dp, draft_layers, n_aux, block, mid, tokens).values()) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _largest(parts: dict[str, float]) -> str:
+    big = sorted(parts.items(), key=lambda kv: -kv[1])[:3]
+    return ", ".join(f"{k} {v / GIB:.1f} GiB" for k, v in big)
 
 
 def choose_layout(t: TargetShape, memory_gib: float, count: int, draft_layers: int, n_aux: int, block: int,
@@ -227,10 +236,17 @@ def choose_layout(t: TargetShape, memory_gib: float, count: int, draft_layers: i
             return {"gpus_per_copy": n, "data_parallel": dp, "fits": fits, "per_gpu_bytes": parts,
                     "per_gpu_memory_gb": round(need / 1e9, 1), "per_gpu_memory_gib": round(need / GIB, 1),
                     "reason": reason, "tried": tried}
+    fitting = [(n, max_anchors_that_fit(t, n, count // n, draft_layers, n_aux, block, anchors, tokens, budget))
+               for n in candidates]
+    fitting = [(n, k) for n, k in fitting if k > 0]
+    hint = ("; " + ", ".join(f"{n} per copy fits with --anchors {k} (train.max_anchors)" for n, k in fitting[:3])
+            if fitting else "; no --anchors fits: use GPUs with more memory, a smaller dtype or fewer tokens per batch")
     return {"gpus_per_copy": None, "data_parallel": 0, "fits": False, "per_gpu_bytes": parts,
             "per_gpu_memory_gb": round(need / 1e9, 1), "per_gpu_memory_gib": round(need / GIB, 1),
-            "reason": f"even {count} GPUs per copy need ~{need / GIB:.1f} GiB per GPU, over the "
-                      f"{budget / GIB:.1f} GiB budget: use GPUs with more memory or a smaller dtype",
+            "reason": f"even {count} GPUs per copy need ~{need / GIB:.1f} GiB on the copy's first GPU "
+                      f"(largest: {_largest(parts)}), over the {budget / GIB:.1f} GiB budget with "
+                      f"--anchors {anchors} x --block-size {block}" + hint,
+            "fits_with_anchors": [{"gpus_per_copy": n, "anchors": k} for n, k in fitting],
             "tried": tried}
 
 
@@ -299,6 +315,7 @@ def make_plan(args) -> dict[str, Any]:
         "per_gpu_breakdown_gib": {k: round(v / GIB, 2) for k, v in layout["per_gpu_bytes"].items()},
         "reason": layout["reason"],
         "tried": layout["tried"],
+        "fits_with_anchors": layout.get("fits_with_anchors", []),
         "drafter": {"layers": args.draft_layers, "aux_layers": n_aux, "block_size": args.block_size,
                     "anchors": args.anchors, "tokens_per_batch": args.tokens_per_batch},
         "assumptions": ASSUMPTIONS,
@@ -316,7 +333,10 @@ def render_text(p: dict[str, Any]) -> str:
         (f"target   {t['params'] / 1e9:.2f}B params ({t['params_source']}), hidden {t['hidden']}, "
         f"{t['layers']} layers, {t['dtype']}"),
         f"gpus     {p['gpu_count']} x {p['gpu']} ({p['gpu_memory_gib']} GiB each)",
-        f"layout   {p['gpus_per_copy']} GPU(s) per target copy, data-parallel {p['data_parallel']}",
+        (f"layout   {p['gpus_per_copy']} GPU(s) per target copy, data-parallel {p['data_parallel']}"
+         if p["gpus_per_copy"] is not None else
+         "layout   NONE FITS (tried " + ", ".join(f"{t['gpus_per_copy']} per copy: {t['per_gpu_gib']} GiB"
+                                         for t in p["tried"]) + ")"),
         f"memory   ~{p['per_gpu_memory_gib']} GiB per GPU: "
         + ", ".join(f"{k} {v}" for k, v in p["per_gpu_breakdown_gib"].items()),
         f"why      {p['reason']}",

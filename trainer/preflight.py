@@ -30,14 +30,13 @@ import numpy as np
 
 from trainer.config import RunConfig
 from trainer.data import REGENERATE_FIX, DataError, DataStats, compute_stats, flat_values, open_dataset
+from trainer.sizing import Shapes, per_device_bytes
 
 GB = 1e9
 GIB = float(2**30)
 MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit on the JSON header
 CHECKPOINT_OVERHEAD_BYTES = 16 * 2**20  # config, trainer state, RNG, sampler state
-ADAM_STATE_BYTES = 2 * 4  # exp_avg + exp_avg_sq, fp32
-ACTIVATION_COPIES = 4  # saved tensors of width `hidden` per token and layer (rough)
-LOGIT_COPIES = 3  # verifier logits, drafter logits, their gradient
+ADAM_STATE_BYTES = 2 * 4  # exp_avg + exp_avg_sq, fp32 (a checkpoint holds all of them)
 MEMORY_TIGHT_SHARE = 0.9  # warn above this share of the device's memory
 
 MASK_FIX = (
@@ -326,13 +325,19 @@ class TargetInfo:
         except (TypeError, ValueError) as exc:
             raise ValueError(f"{folder / 'config.json'} has an unusable value ({exc})") from None
 
+    def shapes(self, cfg: RunConfig | None = None, dtype_bytes: int = 2, with_params: bool = True) -> Shapes:
+        """This target (and, with `cfg`, its drafter) in the terms of trainer/sizing.py."""
+        d = cfg.drafter if cfg is not None else None
+        return Shapes(
+            target_params=self.params if with_params else 0, target_dtype_bytes=dtype_bytes, hidden=self.hidden, vocab=self.vocab,
+            intermediate=self.intermediate, heads=self.heads, kv_heads=self.kv_heads, head_dim=self.head_dim,
+            attention_bias=self.attention_bias, draft_layers=d.num_layers if d else 1,
+            draft_intermediate=d.intermediate_size if d else None, n_aux=len(d.aux_ids) if d else 1,
+        )
+
     def decoder_layer_params(self, intermediate: int | None = None) -> int:
         """Parameters of one Qwen3-style decoder layer of this width (the drafter's layers too)."""
-        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
-        attention = h * q + 2 * h * kv + q * h + (q + 2 * kv + h if self.attention_bias else 0)
-        mlp = 3 * h * (intermediate or self.intermediate)
-        norms = 2 * self.head_dim + 2 * h  # q_norm, k_norm, input and post-attention norms
-        return attention + mlp + norms
+        return self.shapes(with_params=False).decoder_layer_params(intermediate)
 
     @property
     def config_params(self) -> int:
@@ -348,14 +353,12 @@ class TargetInfo:
 @dataclass(frozen=True)
 class DrafterSize:
     trainable: int  # decoder layers, fc, hidden_norm, norm
-    frozen: int  # embed_tokens, lm_head, verifier_lm_head, verifier_norm (copies of the target's)
+    frozen: int  # embed_tokens, the lm_head/verifier_lm_head it shares, verifier_norm (the target's)
 
     @classmethod
     def estimate(cls, cfg: RunConfig, target: TargetInfo) -> DrafterSize:
-        d, h = cfg.drafter, target.hidden
-        layers = d.num_layers * target.decoder_layer_params(d.intermediate_size)
-        fc = len(d.aux_ids) * h * h
-        return cls(trainable=layers + fc + 2 * h, frozen=3 * target.vocab * h + h)
+        s = target.shapes(cfg)
+        return cls(trainable=s.drafter_trainable, frozen=s.drafter_frozen)
 
     @property
     def checkpoint_bytes(self) -> int:
@@ -771,22 +774,21 @@ def probe_device_memory(device: str) -> DeviceMemory | None:
     return DeviceMemory("host RAM", int(psutil.virtual_memory().available), False)
 
 
-def estimate_memory(cfg: RunConfig, target: TargetInfo, cuda: bool) -> dict[str, float]:
-    """Bytes per device, by part. Rough by design: it catches order-of-magnitude mistakes."""
+def estimate_memory(cfg: RunConfig, target: TargetInfo, cuda: bool, world_size: int | None = None) -> dict[str, float]:
+    """Bytes per device, by part, from trainer/sizing.py (the model `dflash plan` uses too).
+
+    `world_size` (default: $WORLD_SIZE, 1 outside torchrun) is the data-parallel width: it decides
+    DDP's gradient buckets and, with train.shard_optimizer_state, each rank's share of the moments."""
     half = 2 if cuda else 4
     weight_bytes = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": half}[cfg.target.dtype]
-    act_bytes = {"float32": 4, "bfloat16": 2, "auto": half}[cfg.train.precision]
-    drafter = DrafterSize.estimate(cfg, target)
-    d, t = cfg.drafter, cfg.train
-    depth = max([i for i in d.aux_ids if 1 <= i <= target.num_layers], default=target.num_layers)
-    per_layer = t.max_tokens_per_batch * target.hidden * act_bytes * ACTIVATION_COPIES
-    return {
-        "target_weights": target.params * weight_bytes / cfg.target.gpus_per_copy,
-        "drafter_trainable": drafter.trainable * (4 + 4 + ADAM_STATE_BYTES),
-        "drafter_frozen": drafter.frozen * weight_bytes,
-        "activations": per_layer * (depth + d.num_layers),
-        "logits": t.max_anchors * d.block_size * target.vocab * 4 * LOGIT_COPIES,
-    }
+    act_bytes = {"float32": 4, "bfloat16": 2, "auto": half}[cfg.train.precision] if cuda else 4
+    world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1") or 1)
+    t = cfg.train
+    return per_device_bytes(
+        target.shapes(cfg, weight_bytes), gpus_per_copy=cfg.target.gpus_per_copy, data_parallel=max(1, world),
+        tokens=t.max_tokens_per_batch, anchors=t.max_anchors, block=cfg.drafter.block_size,
+        device="cuda" if cuda else "cpu", shard_optimizer_state=t.shard_optimizer_state, activation_bytes=act_bytes,
+    )
 
 
 def _disk_gate(cfg: RunConfig, target: TargetInfo | None, report: PreflightReport) -> None:

@@ -13,20 +13,43 @@ FIX = Path(__file__).resolve().parents[1] / "fixtures"
 QWEN = FIX / "targets" / "qwen3.6-27b" / "config.json"
 
 
-def plan(*args):
+def plan(*args, rc=0):
     r = subprocess.run([sys.executable, "-m", "trainer.cli", "plan", "--target-config", QWEN, *map(str, args), "--json"],
                        capture_output=True, text=True, check=False)
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == rc, r.stderr
     return json.loads(r.stdout)
 
 
-def test_qwen_27b_on_8_a100_40gb_needs_two_gpus_per_copy():
-    p = plan("--gpu", "A100-40GB", "--gpu-count", 8)
-    assert (p["gpus_per_copy"], p["data_parallel"]) == (2, 4)
-    assert p["fits"] and p["per_gpu_memory_gb"] < 40
-    assert p["tried"][0]["gpus_per_copy"] == 1 and p["tried"][0]["per_gpu_gib"] > 40  # one copy per GPU: no
-    assert "fewer than 2 GPUs per copy" in p["reason"]
-    assert p["target"]["params_source"].startswith("model.safetensors.index.json")
+def test_qwen_27b_on_8_a100_40gb_does_not_fit_at_default_anchors():
+    # The seeds' case. The old planner said 2 per copy (~35.5 GiB) by assuming ZeRO-sharded bf16+fp32
+    # state, two bf16 frozen copies and a 512-position loss chunk. The trainer holds an fp32 drafter
+    # (embed_tokens + a shared head: 2 x 248320 x 5120 x 4 B = 9.5 GiB, + the bf16 head cast autocast
+    # keeps for the backward), and speculators' forward materialises the full [512 x 16, 248320]
+    # logits and targets (+ their gradient), 11.4 GiB in bf16. The copy's first GPU holds all of it.
+    p = plan("--gpu", "A100-40GB", "--gpu-count", 8, rc=1)
+    assert p["gpus_per_copy"] is None and not p["fits"]
+    tried = {t["gpus_per_copy"]: t["per_gpu_gib"] for t in p["tried"]}
+    assert tried[1] > 60 and tried[2] > 40 and tried[8] > 0.92 * 40
+    b = p["per_gpu_breakdown_gib"]
+    assert b["logits"] == pytest.approx(512 * 16 * 248320 * 2 * 3 / 2**30, abs=0.01)
+    assert b["drafter_frozen"] == pytest.approx((2 * 248320 * 5120 * 4 + 5120 * 4 + 248320 * 5120 * 2) / 2**30, abs=0.01)
+    assert "logits" in p["reason"] and "--anchors" in p["reason"]
+    fit = {f["gpus_per_copy"]: f["anchors"] for f in p["fits_with_anchors"]}
+    assert 2 not in fit and 0 < fit[4] < fit[8] < 512
+    q = plan("--gpu", "A100-40GB", "--gpu-count", 8, "--anchors", fit[4])  # the hint is a real layout
+    assert (q["gpus_per_copy"], q["data_parallel"]) == (4, 2) and q["fits"]
+    assert q["tried"][0]["gpus_per_copy"] == 1 and q["tried"][0]["per_gpu_gib"] > 40
+    assert "fewer than 4 GPUs per copy" in q["reason"]
+    assert q["target"]["params_source"].startswith("model.safetensors.index.json")
+
+
+def test_optimizer_moments_are_sharded_over_data_parallel_ranks():
+    one = plan("--gpu", "B200", "--gpu-count", 1)["per_gpu_breakdown_gib"]
+    eight = plan("--gpu", "B200", "--gpu-count", 8)["per_gpu_breakdown_gib"]
+    assert eight["drafter_optimizer"] == pytest.approx(one["drafter_optimizer"] / 8, abs=0.01)
+    # DDP adds its fp32 gradient buckets (4 B/param) on every rank: replicated, not sharded
+    assert eight["drafter_trainable"] > one["drafter_trainable"]
+    assert plan("--gpu", "B200", "--gpu-count", 8)["assumptions"]["memory_model"] == "trainer/sizing.py"
 
 
 @pytest.mark.parametrize("gpu, count", [("RTX-PRO-6000-96GB", 4), ("B200", 8), ("B200", 7), ("H200", 1)])
@@ -50,10 +73,11 @@ def test_from_recon_facts_and_inventory_override(tmp_path):
     facts = {"host": {"name": "a100-example"},
              "gpus": build_facts((smi / "a100-8x40gb.query.csv").read_text(), (smi / "a100-8x40gb.nvidia-smi.txt").read_text())}
     (tmp_path / "recon.json").write_text(json.dumps(facts))
-    p = plan("--facts", tmp_path / "recon.json")
-    assert (p["gpu"], p["gpu_count"], p["gpus_per_copy"]) == ("A100-40GB", 8, 2)
-    p = plan("--facts", tmp_path / "recon.json", "--gpus-per-copy", 4)
-    assert (p["gpus_per_copy"], p["data_parallel"]) == (4, 2) and "set by hand" in p["reason"]
+    p = plan("--facts", tmp_path / "recon.json", "--anchors", 32)
+    assert (p["gpu"], p["gpu_count"], p["gpus_per_copy"]) == ("A100-40GB", 8, 4)
+    p = plan("--facts", tmp_path / "recon.json", "--gpus-per-copy", 8)
+    assert (p["gpus_per_copy"], p["data_parallel"]) == (8, 1) and "set by hand" in p["reason"]
+    assert not p["fits"] and "DOES NOT FIT" in p["reason"]
 
 
 def test_bad_input_is_named():

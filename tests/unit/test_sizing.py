@@ -1,0 +1,66 @@
+"""trainer/sizing.py: the one memory model of `dflash plan` and `dflash preflight`, and what it
+counts for the trainer as it runs (fp32 drafter, DDP buckets, ZeRO-1 moments, full logits)."""
+
+from pathlib import Path
+
+import pytest
+
+from trainer.config import load_config
+from trainer.plan import per_gpu_bytes, read_target
+from trainer.preflight import TargetInfo, estimate_memory
+from trainer.sizing import Shapes, per_device_bytes
+
+QWEN = Path(__file__).resolve().parents[1] / "fixtures" / "targets" / "qwen3.6-27b"
+S = Shapes(target_params=27_000_000_000, target_dtype_bytes=2, hidden=5120, vocab=248320, intermediate=17408,
+           heads=24, kv_heads=4, head_dim=256, draft_layers=1, n_aux=5)
+KNOBS = {"tokens": 8192, "anchors": 512, "block": 16}
+
+
+def parts(**kw):
+    return per_device_bytes(S, **{"gpus_per_copy": 1, "data_parallel": 1, "device": "cuda", **KNOBS, **kw})
+
+
+def test_zero1_shards_only_the_moments_and_ddp_adds_buckets():
+    p = S.drafter_trainable
+    solo, four, four_plain = parts(), parts(data_parallel=4), parts(data_parallel=4, shard_optimizer_state=False)
+    assert solo["drafter_optimizer"] == p * 8 == four_plain["drafter_optimizer"]
+    assert four["drafter_optimizer"] == p * 8 / 4
+    assert solo["drafter_trainable"] == p * (4 + 4 + 2)  # fp32 weight + grad + bf16 autocast cast
+    assert four["drafter_trainable"] == p * (4 + 4 + 4 + 2)  # + DDP's fp32 gradient buckets
+
+
+def test_full_logits_fused_on_cuda_eager_on_cpu():
+    q = 512 * 16
+    assert parts()["logits"] == q * 248320 * 2 * 3
+    cpu = parts(device="cpu")
+    assert cpu["logits"] == q * 248320 * 4 * 4
+    assert cpu["runtime_reserve"] == 0 and parts()["runtime_reserve"] == 2**30
+    assert cpu["drafter_trainable"] == S.drafter_trainable * 8  # no autocast copy on CPU
+
+
+def test_frozen_is_embed_plus_one_shared_head_in_fp32():
+    assert S.drafter_frozen == 2 * 248320 * 5120 + 5120
+    assert parts(device="cpu")["drafter_frozen"] == S.drafter_frozen * 4
+    assert parts()["drafter_frozen"] == S.drafter_frozen * 4 + 248320 * 5120 * 2
+
+
+def test_target_weights_split_over_the_copy():
+    assert parts(gpus_per_copy=4)["target_weights"] == parts()["target_weights"] / 4
+    with pytest.raises(ValueError):
+        parts(device="tpu")
+
+
+def test_plan_and_preflight_give_the_same_figures(make_config):
+    """Same target, same knobs: `dflash plan` and preflight's memory gate are one model."""
+    cfg = load_config(make_config(drafter={"aux_layer_ids": [2, 10, 18, 26, 34], "block_size": 16}),
+                      [f"target.path={QWEN}", "target.gpus_per_copy=2", "train.max_anchors=64"])
+    info = TargetInfo.from_folder(QWEN)
+    t = read_target(QWEN / "config.json")
+    from dataclasses import replace
+
+    info = replace(info, stored_params=t.params)  # the fixture has the index, not the shards
+    pre = estimate_memory(cfg, info, cuda=True, world_size=4)
+    plan = per_gpu_bytes(t, 2, 4, cfg.drafter.num_layers, 5, 16, 64, cfg.train.max_tokens_per_batch)
+    assert pre.keys() == plan.keys()
+    for k in pre:
+        assert pre[k] == pytest.approx(plan[k], rel=1e-3), k
