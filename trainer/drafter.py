@@ -45,8 +45,9 @@ def draft_layer_config(cfg: RunConfig):
     return tl
 
 
-def build_drafter(cfg: RunConfig, device: torch.device):
-    """A fresh drafter (or one warm-started from `drafter.warm_start`), trainable params fp32."""
+def build_drafter(cfg: RunConfig, device: torch.device, head_dtype: torch.dtype | None = None):
+    """A fresh drafter (or one warm-started from `drafter.warm_start`), trainable params fp32.
+    `head_dtype`: store the frozen heads in that dtype (bf16 under bf16 autocast, see cast_frozen_heads)."""
     import logging
 
     from speculators.models.dflash import DFlashDraftModel
@@ -66,6 +67,8 @@ def build_drafter(cfg: RunConfig, device: torch.device):
     if list(model.target_layer_ids) != list(cfg.drafter.aux_ids):  # never silently rewired
         raise RuntimeError(f"drafter wired to {model.target_layer_ids}, config asks {cfg.drafter.aux_ids}")
     share_frozen_head(model)
+    if head_dtype is not None:
+        cast_frozen_heads(model, head_dtype)
     if cfg.drafter.warm_start is not None:
         load_trainable_weights(model, Path(cfg.drafter.warm_start) / "model.safetensors")
     return model.to(device)
@@ -107,3 +110,21 @@ def load_trainable_weights(model, path: Path) -> None:
 
 def count_trainable(model) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def cast_frozen_heads(model, dtype: torch.dtype) -> None:
+    """Store the frozen lm_head / verifier_lm_head in `dtype` (kept shared when they are).
+
+    Only for a run under autocast to that dtype: autocast casts these weights to it for every matmul
+    anyway, so the logits and gradients are bit-identical, while the fp32 copy and the cast autocast
+    keeps alive for the backward (a frozen weight's cast is not cached) are gone: 4 + 2 bytes become 2
+    per vocab x hidden element. The embedding stays fp32: it is the model's first parameter, whose
+    dtype transformers writes into the checkpoint's config.json, and its output feeds the fp32
+    residual stream."""
+    shared = model.lm_head.weight is model.verifier_lm_head.weight
+    with torch.no_grad():
+        for module in (model.verifier_lm_head, model.lm_head):
+            if module is model.lm_head and shared:
+                module.weight = model.verifier_lm_head.weight
+            elif module.weight.dtype != dtype:
+                module.weight = torch.nn.Parameter(module.weight.detach().to(dtype), requires_grad=False)

@@ -224,7 +224,8 @@ class Trainer:
         np.random.seed(cfg.train.seed)
         random.seed(cfg.train.seed)
         self.source = make_source(cfg, d.device, d.target_devices)
-        self.drafter = build_drafter(cfg, d.device)
+        self._bf16 = d.device.type == "cuda" and cfg.train.precision in ("auto", "bfloat16")
+        self.drafter = build_drafter(cfg, d.device, head_dtype=torch.bfloat16 if self._bf16 else None)
         self.n_trainable = count_trainable(self.drafter)
         self.loss_config = resolve_loss_config(cfg.train.loss, loss_implementation(d.device))
         params = [p for p in self.drafter.parameters() if p.requires_grad]
@@ -254,7 +255,6 @@ class Trainer:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
             self.model = DDP(self.drafter, device_ids=[d.device.index] if d.device.type == "cuda" else None)
-        self._bf16 = d.device.type == "cuda" and cfg.train.precision in ("auto", "bfloat16")
         self.step = 0
         self.tokens = 0
         self.resumed_from: str | None = None
@@ -389,7 +389,7 @@ class Trainer:
         T = ids.numel()
         for s in range(0, T - 1, 1024):  # chunked: T x vocab logits never materialise at once
             e = min(T - 1, s + 1024)
-            pred = head(norm(cap.last[0, s:e].to(head.weight.dtype))).argmax(-1)
+            pred = head(norm(cap.last[0, s:e].float()).to(head.weight.dtype)).argmax(-1)  # bf16 head on CUDA
             sel = (mask[s + 1 : e + 1] != 0) & (docs[s + 1 : e + 1] == docs[s:e])
             hits[0] += (pred[sel] == ids[s + 1 : e + 1][sel]).sum()
             hits[1] += sel.sum()

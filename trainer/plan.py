@@ -12,7 +12,8 @@ estimate is that of the copy's first GPU (it holds 1/n of the target's layers AN
 optimizer, features and loss) from `trainer/sizing.py`, the one memory model `dflash preflight`
 uses too: it models the trainer as it runs (fp32 drafter, DDP, AdamW moments sharded by ZeRO-1 when
 `train.shard_optimizer_state`, full [anchors x block, vocab] logits, fused loss on CUDA). When no
-layout fits, the reason names the largest part and the `--anchors` that would fit.
+layout fits (exit 1), the reason names the largest parts; then, and for a fit within 3 % of the
+budget (`thin_margin`), `fits_with_anchors` lists the largest `--anchors` each layout would fit with.
 
 Every assumption is a named constant and is echoed in the JSON under `assumptions`.
 """
@@ -48,6 +49,7 @@ GPU_ALIASES = {"PRO6000": "RTX-PRO-6000-96GB", "RTX-PRO-6000": "RTX-PRO-6000-96G
 
 ASSUMPTIONS = {
     "usable_share": 0.92,  # of a GPU's memory the estimate may fill (fragmentation, NCCL buffers)
+    "thin_margin_share": 0.97,  # a fit above this share of the budget is flagged as thin
     "memory_model": "trainer/sizing.py",
     **SIZING_ASSUMPTIONS,
     "shard_optimizer_state": True,  # train.shard_optimizer_state's default (ZeRO-1)
@@ -225,17 +227,26 @@ def choose_layout(t: TargetShape, memory_gib: float, count: int, draft_layers: i
         tried.append({"gpus_per_copy": n, "per_gpu_gib": round(need / GIB, 1)})
         if need <= budget or override:
             fits = need <= budget
+            thin = fits and need > ASSUMPTIONS["thin_margin_share"] * budget
+            smaller = [(m, max_anchors_that_fit(t, m, count // m, draft_layers, n_aux, block, anchors, tokens, budget))
+                       for m in candidates if m < n] if thin else []
+            smaller = [(m, k) for m, k in smaller if k > 0]
             reason = (
                 f"target {t.params / 1e9:.1f}B params x {DTYPE_BYTES[t.dtype]} B = {t.params * DTYPE_BYTES[t.dtype] / GIB:.1f} GiB; "
                 + ("" if n == 1 else f"fewer than {n} GPUs per copy need more than the budget; ")
                 + f"with {n} per copy each GPU needs ~{need / GIB:.1f} GiB of {memory_gib:.1f} GiB "
                 f"(budget {ASSUMPTIONS['usable_share']:.0%} = {budget / GIB:.1f} GiB)"
                 + ("" if not override else f"; gpus_per_copy={override} set by hand")
+                + (f"; THIN MARGIN: within {1 - ASSUMPTIONS['thin_margin_share']:.0%} of the budget, and the "
+                   f"memory model is not calibrated on a GPU: lower --anchors (train.max_anchors) for margin"
+                   + "".join(f"; {m} per copy fits with --anchors {k}" for m, k in smaller)
+                   if thin else "")
                 + ("" if fits else "; DOES NOT FIT: expect out-of-memory")
             )
             return {"gpus_per_copy": n, "data_parallel": dp, "fits": fits, "per_gpu_bytes": parts,
                     "per_gpu_memory_gb": round(need / 1e9, 1), "per_gpu_memory_gib": round(need / GIB, 1),
-                    "reason": reason, "tried": tried}
+                    "reason": reason, "tried": tried, "thin_margin": thin,
+                    "fits_with_anchors": [{"gpus_per_copy": m, "anchors": k} for m, k in smaller]}
     fitting = [(n, max_anchors_that_fit(t, n, count // n, draft_layers, n_aux, block, anchors, tokens, budget))
                for n in candidates]
     fitting = [(n, k) for n, k in fitting if k > 0]
@@ -315,6 +326,7 @@ def make_plan(args) -> dict[str, Any]:
         "per_gpu_breakdown_gib": {k: round(v / GIB, 2) for k, v in layout["per_gpu_bytes"].items()},
         "reason": layout["reason"],
         "tried": layout["tried"],
+        "thin_margin": layout.get("thin_margin", False),
         "fits_with_anchors": layout.get("fits_with_anchors", []),
         "drafter": {"layers": args.draft_layers, "aux_layers": n_aux, "block_size": args.block_size,
                     "anchors": args.anchors, "tokens_per_batch": args.tokens_per_batch},

@@ -14,10 +14,10 @@ What the trainer holds (loop.py + speculators' DFlashDraftModel, read from their
   bf16 autocast keeps a bf16 cast of each trainable weight alive for the backward;
 - AdamW's two fp32 moments: on every rank with plain AdamW, 1/data_parallel of them per rank with
   ZeRO-1 (`train.shard_optimizer_state`, torch's ZeroRedundancyOptimizer);
-- the drafter's frozen tensors, fp32 (the drafter is built in fp32): embed_tokens (vocab x hidden),
-  one vocab x hidden head shared by lm_head and verifier_lm_head (full vocabulary: both hold the
-  target's lm_head, see trainer/drafter.py), verifier_norm; on CUDA the bf16 cast of the head that
-  autocast makes for the drafter logits is kept for the backward;
+- the drafter's frozen tensors: embed_tokens (vocab x hidden) and verifier_norm in fp32 (the drafter
+  is built in fp32), and one vocab x hidden head shared by lm_head and verifier_lm_head (full
+  vocabulary: both hold the target's lm_head), fp32 on CPU and bf16 under bf16 autocast, where
+  autocast would cast it to bf16 for every matmul anyway (trainer/drafter.py cast_frozen_heads);
 - activations: the captured aux states (n_aux x tokens x hidden) and last hidden state, fc output,
   and per drafter layer `activation_copies` tensors of width hidden over context + query tokens
   plus the MLP's three intermediate-width tensors over the query tokens (query = anchors x block);
@@ -38,12 +38,12 @@ from typing import Any
 GIB = float(2**30)
 
 ASSUMPTIONS: dict[str, Any] = {
-    "drafter_param_dtype": "float32",  # trainable and frozen drafter tensors (the drafter is built fp32)
+    "drafter_param_dtype": "float32",  # trainable tensors and the frozen embedding (the drafter is built fp32)
     "trainable_bytes_per_param": {"weight": 4, "grad": 4, "ddp_bucket": 4, "autocast_copy_cuda": 2},
     "adam_moment_bytes_per_param": 8,  # exp_avg + exp_avg_sq, fp32
     "optimizer_sharding": "ZeRO-1 over data-parallel ranks when shard_optimizer_state and data_parallel > 1",
-    "frozen": "embed_tokens + one head shared by lm_head/verifier_lm_head + verifier_norm, fp32; "
-              "+ bf16 head cast kept for the backward on CUDA",
+    "frozen": "embed_tokens + verifier_norm fp32; one head shared by lm_head/verifier_lm_head, "
+              "bf16 under bf16 autocast (CUDA), else fp32",
     "activation_copies": 4,  # saved tensors of width hidden per token and drafter layer
     "mlp_intermediate_copies": 3,  # gate, up, act*up
     "logit_copies": {"fused": 3, "eager": 4},  # logits, targets, grad (+ fp32 log-softmax for eager)
@@ -118,14 +118,15 @@ def per_device_bytes(
     q = anchors * block
     draft_inter = s.draft_intermediate or s.intermediate
     loss = "fused" if cuda else "eager"
-    head_cast = s.vocab * s.hidden * 2 if cuda and act == 2 else 0
+    # under bf16 autocast the frozen head is stored in bf16 (trainer/drafter.py cast_frozen_heads)
+    head_bytes = 2 if cuda and act == 2 else 4
     per_layer = a["activation_copies"] * (q + tokens) * s.hidden + a["mlp_intermediate_copies"] * q * draft_inter
     return {
         "target_weights": s.target_params * s.target_dtype_bytes / gpus_per_copy,
         "target_forward": tokens * s.intermediate * a["mlp_intermediate_copies"] * s.target_dtype_bytes,
         "drafter_trainable": p * per_param,
         "drafter_optimizer": p * a["adam_moment_bytes_per_param"] / shards,
-        "drafter_frozen": s.drafter_frozen * 4 + head_cast,
+        "drafter_frozen": (s.vocab * s.hidden + s.hidden) * 4 + s.vocab * s.hidden * head_bytes,
         "activations": ((s.n_aux + 1) * tokens * s.hidden * s.target_dtype_bytes  # captured aux + last
                         + 2 * tokens * s.hidden * act  # fc output, hidden_norm
                         + q * s.hidden * 4  # noise embedding (fp32 embed_tokens)

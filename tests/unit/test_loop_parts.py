@@ -51,3 +51,28 @@ def test_drafter_takes_the_targets_embedding_head_and_final_norm(make_config, ti
     assert not d.lm_head.weight.requires_grad
     assert d.fc.in_features == 2 * 64, "fc wired to every configured aux layer"
     assert d.config.transformer_layer_config._attn_implementation == "sdpa"
+
+
+def test_bf16_heads_give_bit_identical_logits_and_grads_under_autocast(make_config):
+    """cast_frozen_heads (CUDA, bf16 autocast) stores lm_head/verifier_lm_head in bf16: autocast casts
+    them to bf16 for every matmul anyway, so logits and the gradient into the drafter are the same
+    bits (checked with CPU autocast); the heads stay shared and frozen, the embedding stays fp32."""
+    from trainer.drafter import build_drafter
+
+    cfg = load_config(make_config())
+    ref = build_drafter(cfg, torch.device("cpu"))
+    half = build_drafter(cfg, torch.device("cpu"), head_dtype=torch.bfloat16)
+    assert half.lm_head.weight is half.verifier_lm_head.weight and half.lm_head.weight.dtype == torch.bfloat16
+    assert not half.lm_head.weight.requires_grad and half.embed_tokens.weight.dtype == torch.float32
+    assert half.dtype == torch.float32, "the checkpoint's config.json keeps dtype float32"
+    x = torch.randn(7, ref.config.transformer_layer_config.hidden_size)
+    out = []
+    for m in (ref, half):
+        h = x.clone().requires_grad_(True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = m.lm_head(m.norm(h))
+            target = m.verifier_lm_head(m.verifier_norm(x))
+        logits.float().square().sum().backward()
+        out.append((logits, target, h.grad))
+    for a, b in zip(out[0], out[1], strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)

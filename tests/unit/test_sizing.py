@@ -38,10 +38,12 @@ def test_full_logits_fused_on_cuda_eager_on_cpu():
     assert cpu["drafter_trainable"] == S.drafter_trainable * 8  # no autocast copy on CPU
 
 
-def test_frozen_is_embed_plus_one_shared_head_in_fp32():
+def test_frozen_is_fp32_embed_plus_one_shared_head_bf16_under_autocast():
     assert S.drafter_frozen == 2 * 248320 * 5120 + 5120
     assert parts(device="cpu")["drafter_frozen"] == S.drafter_frozen * 4
-    assert parts()["drafter_frozen"] == S.drafter_frozen * 4 + 248320 * 5120 * 2
+    assert parts()["drafter_frozen"] == (248320 * 5120 + 5120) * 4 + 248320 * 5120 * 2
+    fp32_cuda = parts(activation_bytes=4)  # train.precision float32 on CUDA: no autocast, fp32 head
+    assert fp32_cuda["drafter_frozen"] == S.drafter_frozen * 4
 
 
 def test_target_weights_split_over_the_copy():
