@@ -36,13 +36,15 @@ def test_every_role_with_a_scenario_is_found():
 
 
 @pytest.mark.parametrize("role", SCENARIOS)
-def test_molecule_scenario(role):
+def test_molecule_scenario(role, tmp_path):
     why = testbed.preconditions()
     if why:
         pytest.fail(f"real test hosts cannot start here: {why}")
     env = {**os.environ, "PATH": f"{VENV_BIN}:{os.environ['PATH']}", "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
            "HF_HUB_OFFLINE": "1", "NO_COLOR": "1", "ANSIBLE_NOCOLOR": "1", "ANSIBLE_FORCE_COLOR": "0", "PYTHONUNBUFFERED": "1"}
-    env.pop("MOLECULE_EPHEMERAL_DIRECTORY", None)  # each scenario keeps its own
+    # this run's own scratch folder: molecule's default (~/.ansible/tmp/molecule.<hash of the folder name>.default)
+    # is shared by every checkout, so two runs at once would tear down each other's hosts
+    env["MOLECULE_EPHEMERAL_DIRECTORY"] = str(tmp_path / "molecule")
     started = time.monotonic()
     # one stream, in order: molecule logs its steps on stderr, ansible-playbook's output comes on stdout
     r = subprocess.run([str(VENV_BIN / "molecule"), "test"], cwd=REPO / "roles" / role, env=env,
