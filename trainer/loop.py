@@ -536,6 +536,17 @@ class Trainer:
         self.log(f"run {status} at step {self.step}")
         return code
 
+    def close(self) -> None:
+        """Drop DDP, the optimizer (ZeRO holds the process group too) and the models before the
+        process group is destroyed: left to interpreter shutdown, gloo's threads were sometimes
+        still joinable when their owner died ("terminate called without an active exception",
+        SIGABRT after a completed run, about 1 in 6 two-rank CPU runs)."""
+        import gc
+
+        for name in ("model", "optimizer", "scheduler", "drafter", "source"):
+            self.__dict__.pop(name, None)
+        gc.collect()
+
     def _stop_requested(self, stop: StopRequest) -> bool:
         flag = torch.tensor([1.0 if stop.signum is not None else 0.0], device=self.d.device)
         all_reduce_(flag, self.d, dist.ReduceOp.MAX)
@@ -579,5 +590,6 @@ def train(cfg: RunConfig, skip_preflight: bool = False) -> int:
     try:
         return trainer.run(stop)
     finally:
+        trainer.close()
         if d.enabled and dist.is_initialized():
             dist.destroy_process_group()
