@@ -82,11 +82,6 @@ def _text_config(raw: dict[str, Any]) -> dict[str, Any]:
     return {**raw, **text} if isinstance(text, dict) else raw
 
 
-def _layer_params(h: int, heads: int, kv: int, hd: int, inter: int) -> int:
-    q, k = heads * hd, kv * hd
-    return h * q + 2 * h * k + q * h + 3 * h * inter + 2 * h
-
-
 def _stored_params(folder: Path) -> tuple[int, str] | None:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
@@ -142,7 +137,9 @@ def read_target(config_path: Path, dtype: str = "bfloat16") -> TargetShape:
         nbytes, source = stored
         params = nbytes // DTYPE_BYTES.get(str(conf.get("torch_dtype") or conf.get("dtype") or "bfloat16"), 2)
     else:
-        params = vocab * h * (1 if tied else 2) + layers * _layer_params(h, heads, kv, hd, inter) + h
+        layer = Shapes(target_params=0, target_dtype_bytes=2, hidden=h, vocab=vocab, intermediate=inter, heads=heads,
+                       kv_heads=kv, head_dim=hd).decoder_layer_params()  # the one formula (trainer/sizing.py)
+        params = vocab * h * (1 if tied else 2) + layers * layer + h
         source = "estimated from config.json shapes (dense attention + gated MLP per layer)"
     return TargetShape(h, layers, vocab, inter, heads, kv, hd, tied, int(params), source, dtype)
 
