@@ -37,13 +37,13 @@ def cmd_preflight(args) -> int:
 
 
 def cmd_train(args) -> int:
-    from trainer.loop import train
+    from trainer.training.loop import train
 
     return train(_load(args), skip_preflight=args.skip_preflight)
 
 
 def cmd_summary(args) -> int:
-    from trainer.summary import render_summary
+    from trainer.monitor.summary import render_summary
 
     print(render_summary(args.run_dir))
     return 0
@@ -69,7 +69,7 @@ def cmd_config(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from trainer.demo import run_demo
+    from trainer.demo.run import run_demo
 
     return run_demo(args.out, steps=args.steps, tiny=args.tiny, prepare_only=args.prepare_only)
 

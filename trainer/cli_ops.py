@@ -16,7 +16,7 @@ def _fail(verb: str, exc: Exception) -> int:
 
 
 def _plan(args) -> int:
-    from trainer.plan import PlanError, cmd_plan
+    from trainer.layout.plan import PlanError, cmd_plan
 
     try:
         return cmd_plan(args)
@@ -35,7 +35,7 @@ def _manifest(args) -> int:
 
 def _s3(args) -> int:
     from trainer.manifest import ManifestError
-    from trainer.s3sync import pull, push_folder
+    from trainer.s3.pull import pull, push_folder
     from trainer.salvage import SalvageError
 
     try:
@@ -87,7 +87,7 @@ def _read(path: str | None) -> str | None:
 
 
 def _gpu_facts(args) -> int:
-    from trainer.gpus import GpuFactsError, build_facts, check_expected
+    from trainer.layout.gpus import GpuFactsError, build_facts, check_expected
 
     try:
         query = args.query_text if args.query_text is not None else _read(args.query)
@@ -102,7 +102,7 @@ def _gpu_facts(args) -> int:
 
 
 def _gpu_decide(args) -> int:
-    from trainer.gpus import GpuFactsError, decide
+    from trainer.layout.gpus import GpuFactsError, decide
 
     try:
         facts = json.loads(_read(args.facts) or "{}")

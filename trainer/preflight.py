@@ -30,7 +30,7 @@ import numpy as np
 
 from trainer.config import RunConfig
 from trainer.data import REGENERATE_FIX, DataError, DataStats, compute_stats, flat_values, open_dataset
-from trainer.sizing import Shapes, per_device_bytes
+from trainer.layout.sizing import Shapes, per_device_bytes
 
 GB = 1e9
 GIB = float(2**30)
@@ -326,7 +326,7 @@ class TargetInfo:
             raise ValueError(f"{folder / 'config.json'} has an unusable value ({exc})") from None
 
     def shapes(self, cfg: RunConfig | None = None, dtype_bytes: int = 2, with_params: bool = True) -> Shapes:
-        """This target (and, with `cfg`, its drafter) in the terms of trainer/sizing.py."""
+        """This target (and, with `cfg`, its drafter) in the terms of trainer/layout/sizing.py."""
         d = cfg.drafter if cfg is not None else None
         return Shapes(
             target_params=self.params if with_params else 0, target_dtype_bytes=dtype_bytes, hidden=self.hidden, vocab=self.vocab,
@@ -775,7 +775,7 @@ def probe_device_memory(device: str) -> DeviceMemory | None:
 
 
 def estimate_memory(cfg: RunConfig, target: TargetInfo, cuda: bool, world_size: int | None = None) -> dict[str, float]:
-    """Bytes per device, by part, from trainer/sizing.py (the model `dflash plan` uses too).
+    """Bytes per device, by part, from trainer/layout/sizing.py (the model `dflash plan` uses too).
 
     `world_size` (default: $WORLD_SIZE, 1 outside torchrun) is the data-parallel width: it decides
     DDP's gradient buckets and, with train.shard_optimizer_state, each rank's share of the moments."""

@@ -47,7 +47,7 @@ def cmd_monitor(args) -> int:
 
 
 def cmd_status(args) -> int:
-    from trainer.status import status
+    from trainer.monitor.status import status
 
     return status(args.run_dir, run=args.run, watch=args.watch, interval=args.interval, as_json=args.json,
                   thresholds=_thresholds(args))

@@ -100,7 +100,7 @@ def cmd_collect(args) -> int:
 
 
 def cmd_push(args) -> int:
-    from trainer.salvage.s3 import push
+    from trainer.s3.client import push
 
     rep = push(args.set, args.s3, args.endpoint_url, check=args.check, references=args.reference,
                workers=args.workers, chunk_bytes=args.chunk_mib * 2**20, threshold_bytes=args.chunk_mib * 2**20,

@@ -134,7 +134,7 @@ def render_notes(set_dir: Path, steps: dict[str, Any]) -> str:
 
     run_copy = Path(set_dir) / "run"
     if (run_copy / "events.jsonl").is_file():
-        from trainer.summary import render_summary
+        from trainer.monitor.summary import render_summary
 
         try:
             text = render_summary(run_copy)

@@ -327,7 +327,7 @@ def _finish(report: dict[str, Any]) -> dict[str, Any]:
 def verify_s3(url: str, endpoint_url: str | None = None, load: bool = True, target: Path | None = None,
               workdir: Path | None = None, workers: int = 8, data_gate: str = "fail",
               load_checkpoints: bool = True, client=None) -> dict[str, Any]:
-    from trainer.salvage import s3
+    from trainer.s3 import client as s3
 
     loc = s3.parse_s3_url(url)
     if data_gate not in ("fail", "warn"):

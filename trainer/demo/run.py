@@ -12,7 +12,7 @@ import yaml
 
 
 def _prepare(out: Path, tiny: bool, samples: int) -> dict:
-    from trainer import synth
+    from trainer.demo import synth
 
     data = out / "data"
     if tiny:
@@ -23,7 +23,7 @@ def _prepare(out: Path, tiny: bool, samples: int) -> dict:
             rng = np.random.default_rng(0)
             synth.greedy_dataset(target, [rng.integers(3, 500, size=8).tolist() for _ in range(samples)], 56, data)
         return {"target": target, "data": data, "aux": [1, 2, 3], "mask": 511, "block": 4, "tokens": 512}
-    from trainer.smollm import ensure_smollm2
+    from trainer.demo.smollm import ensure_smollm2
 
     target = ensure_smollm2()
     if not data.exists():
@@ -61,8 +61,8 @@ def run_demo(out: Path, steps: int = 40, tiny: bool = False, samples: int = 48, 
         print(json.dumps({"config": str(cfg_path), "target": str(p["target"]), "data": str(p["data"]),
                           "out_dir": raw["out_dir"], "run_config": raw}))
         return 0
-    from trainer.loop import train
-    from trainer.summary import render_summary
+    from trainer.training.loop import train
+    from trainer.monitor.summary import render_summary
 
     print(f"demo: run config {cfg_path}", flush=True)
     code = train(load_config(cfg_path))

@@ -9,7 +9,7 @@ facts (`--facts reports/<host>/recon.json`, written by the gpu_facts role).
 Layout rule: the smallest number of GPUs per copy n (a divisor of the GPU count) for which the
 per-GPU estimate fits in `usable_share` of a GPU's memory; data-parallel width = count // n. The
 estimate is that of the copy's first GPU (it holds 1/n of the target's layers AND the drafter, its
-optimizer, features and loss) from `trainer/sizing.py`, the one memory model `dflash preflight`
+optimizer, features and loss) from `trainer/layout/sizing.py`, the one memory model `dflash preflight`
 uses too: it models the trainer as it runs (fp32 drafter, DDP, AdamW moments sharded by ZeRO-1 when
 `train.shard_optimizer_state`, full [anchors x block, vocab] logits, fused loss on CUDA). When no
 layout fits (exit 1), the reason names the largest parts; then, and for a fit within 3 % of the
@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer.sizing import ASSUMPTIONS as SIZING_ASSUMPTIONS
-from trainer.sizing import Shapes, per_device_bytes
+from trainer.layout.sizing import ASSUMPTIONS as SIZING_ASSUMPTIONS
+from trainer.layout.sizing import Shapes, per_device_bytes
 
 GIB = float(2**30)
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8": 1}
@@ -50,7 +50,7 @@ GPU_ALIASES = {"PRO6000": "RTX-PRO-6000-96GB", "RTX-PRO-6000": "RTX-PRO-6000-96G
 ASSUMPTIONS = {
     "usable_share": 0.92,  # of a GPU's memory the estimate may fill (fragmentation, NCCL buffers)
     "thin_margin_share": 0.97,  # a fit above this share of the budget is flagged as thin
-    "memory_model": "trainer/sizing.py",
+    "memory_model": "trainer/layout/sizing.py",
     **SIZING_ASSUMPTIONS,
     "shard_optimizer_state": True,  # train.shard_optimizer_state's default (ZeRO-1)
     "mfu": 0.35,  # model FLOPs utilisation of the target forward (bf16)
@@ -138,7 +138,7 @@ def read_target(config_path: Path, dtype: str = "bfloat16") -> TargetShape:
         params = nbytes // DTYPE_BYTES.get(str(conf.get("torch_dtype") or conf.get("dtype") or "bfloat16"), 2)
     else:
         layer = Shapes(target_params=0, target_dtype_bytes=2, hidden=h, vocab=vocab, intermediate=inter, heads=heads,
-                       kv_heads=kv, head_dim=hd).decoder_layer_params()  # the one formula (trainer/sizing.py)
+                       kv_heads=kv, head_dim=hd).decoder_layer_params()  # the one formula (trainer/layout/sizing.py)
         params = vocab * h * (1 if tied else 2) + layers * layer + h
         source = "estimated from config.json shapes (dense attention + gated MLP per layer)"
     return TargetShape(h, layers, vocab, inter, heads, kv, hd, tied, int(params), source, dtype)

@@ -1,7 +1,7 @@
 """Folders to S3 and back, every file proven by sha256 (`dflash s3 push` / `dflash s3 pull`).
 
 `push DIR s3://BUCKET/PREFIX`: writes DIR's manifest beside it (`DIR.manifest.json`, digests of
-unchanged files reused), then uploads through the salvage uploader (`trainer.salvage.s3.push`:
+unchanged files reused), then uploads through the salvage uploader (`trainer.s3.client.push`:
 Content-MD5 on every request, sha256 in each object's metadata, objects already there skipped,
 `PREFIX/MANIFEST.json` last). A dataset is uploaded once from wherever it was tokenized.
 
@@ -37,7 +37,7 @@ from typing import Any
 
 from trainer.fsutil import atomic_write_text, sha256_file
 from trainer.salvage import MANIFEST_NAME, SalvageError
-from trainer.salvage import s3 as s3lib
+from trainer.s3 import client as s3lib
 
 PARTIAL_DIR = ".s3-partial"
 MiB = 2**20

@@ -1,5 +1,5 @@
 """One memory model for `dflash plan` and `dflash preflight`: bytes per device, by part, for what
-`trainer/loop.py` really runs. Light side: stdlib only (no torch at import).
+`trainer/training/loop.py` really runs. Light side: stdlib only (no torch at import).
 
 Where things live: a target copy is split layer-wise over `gpus_per_copy` GPUs; the drafter, its
 optimizer, the captured features and the loss all sit on the copy's FIRST GPU (`setup_dist` puts

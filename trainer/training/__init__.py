@@ -1,0 +1,1 @@
+"""Online training: the loop, its distributed setup and its shutdown (signals, stall watchdog)."""
