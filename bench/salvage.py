@@ -71,7 +71,7 @@ def main() -> int:
     args = ap.parse_args()
 
     from tests.s3servers import RadosGW, s3_env
-    from trainer.salvage.s3 import push
+    from trainer.s3.client import push
     from trainer.salvage.verify import verify_s3
 
     server = None
@@ -91,7 +91,7 @@ def main() -> int:
         plain = boto3.client("s3", endpoint_url=endpoint, config=Config(
             request_checksum_calculation="when_required", s3={"addressing_style": "path"}))
         # the same naive loop with the integrity push does: Content-MD5 on the request, sha256 metadata
-        from trainer.salvage.s3 import _content_md5
+        from trainer.s3.client import _content_md5
 
         checked = boto3.client("s3", endpoint_url=endpoint, config=Config(
             request_checksum_calculation="when_required", s3={"addressing_style": "path"}))
@@ -157,7 +157,7 @@ def _loadability_seconds() -> float | None:
     from tests.conftest import write_config
     from trainer.salvage.collect import collect
     from trainer.salvage.verify import verify_local
-    from trainer.synth import greedy_dataset, tiny_target
+    from trainer.demo.synth import greedy_dataset, tiny_target
 
     with tempfile.TemporaryDirectory(prefix="dflash-bench-load-") as tmp:
         root = Path(tmp)

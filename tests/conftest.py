@@ -18,14 +18,14 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="session")
 def tiny_target(tmp_path_factory) -> Path:
-    from trainer.synth import tiny_target as build
+    from trainer.demo.synth import tiny_target as build
 
     return build(tmp_path_factory.mktemp("target") / "qwen3-tiny")
 
 
 @pytest.fixture(scope="session")
 def tiny_data(tiny_target, tmp_path_factory) -> Path:
-    from trainer.synth import greedy_dataset
+    from trainer.demo.synth import greedy_dataset
 
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 500, size=8).tolist() for _ in range(48)]

@@ -33,7 +33,7 @@ def test_python_env_installs_the_trainer_from_the_wheel_cache(bed, provisioned, 
         assert third.ok() and third.changed_tasks("node-a") == [
             "Push the trainer's source (pyproject.toml, trainer/, requirements/)",
             "Install the trainer package from the synced source"]
-        r = host.ssh(bed, f"{venv}/bin/python -c 'import trainer.plan as p; print(p.TEST_MARKER)'")
+        r = host.ssh(bed, f"{venv}/bin/python -c 'import trainer.layout.plan as p; print(p.TEST_MARKER)'")
         assert r.stdout.strip() == "1"  # the installed package is the new source
     finally:
         text = (repo_snapshot / "trainer" / "plan.py").read_text().replace("\nTEST_MARKER = 1\n", "")

@@ -217,7 +217,7 @@ def test_bad_inputs_fail_fast_with_clear_errors(trained_drafter, tiny_target, tm
                       "--out", tmp_path / "r.json")
     assert res.returncode == 2 and "no config.json there and no checkpoints/latest" in res.stderr
     other = tmp_path / "other-target"
-    from trainer.synth import tiny_target as build
+    from trainer.demo.synth import tiny_target as build
 
     build(other, hidden=32)
     res = dflash_here(capsys, "eval", "--drafter", trained_drafter, "--target", other, "--prompts", good,

@@ -322,7 +322,7 @@ def test_cli_status_watch_follows_the_run_until_ctrl_c(tmp_path):
 
 
 def test_monitor_and_status_import_no_heavy_stack():
-    code = ("import sys, json; import trainer.monitor.server, trainer.status, trainer.cli\n"
+    code = ("import sys, json; import trainer.monitor.server, trainer.monitor.status, trainer.cli\n"
             "trainer.cli.build_parser()\n"
             "print(json.dumps(sorted(m for m in ('torch', 'transformers', 'speculators', 'datasets') if m in sys.modules)))")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

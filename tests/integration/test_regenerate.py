@@ -44,7 +44,7 @@ def chat_target(tmp_path_factory) -> Path:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-    from trainer.synth import tiny_target
+    from trainer.demo.synth import tiny_target
 
     folder = tiny_target(tmp_path_factory.mktemp("chat") / "target", seed=1)
     vocab = {t: i for i, t in enumerate(SPECIAL)} | {f"w{i}": i for i in range(len(SPECIAL), 512)}

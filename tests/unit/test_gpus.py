@@ -1,4 +1,4 @@
-"""GPU facts and driver/CUDA decisions (trainer/gpus.py) against recorded nvidia-smi outputs of the
+"""GPU facts and driver/CUDA decisions (trainer/layout/gpus.py) against recorded nvidia-smi outputs of the
 seeds' machines (tests/fixtures/nvidia-smi/: this machine has no GPU, so the command's output is
 recorded, not run)."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.gpus import (
+from trainer.layout.gpus import (
     GpuFactsError,
     build_facts,
     check_expected,

@@ -5,7 +5,7 @@ import time
 import torch
 
 from trainer.config import load_config
-from trainer.loop import StallWatchdog, lr_lambda
+from trainer.training.loop import StallWatchdog, lr_lambda
 
 
 def test_stall_watchdog_warns_once_per_stall_and_rearms():

@@ -1,4 +1,4 @@
-"""`dflash plan` (trainer/plan.py): the seeds' layout cases and the offline storage arithmetic."""
+"""`dflash plan` (trainer/layout/plan.py): the seeds' layout cases and the offline storage arithmetic."""
 
 import json
 import subprocess
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.gpus import build_facts
+from trainer.layout.gpus import build_facts
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures"
 QWEN = FIX / "targets" / "qwen3.6-27b" / "config.json"
@@ -56,7 +56,7 @@ def test_optimizer_moments_are_sharded_over_data_parallel_ranks():
     assert eight["drafter_optimizer"] == pytest.approx(one["drafter_optimizer"] / 8, abs=0.01)
     # DDP adds its fp32 gradient buckets (4 B/param) on every rank: replicated, not sharded
     assert eight["drafter_trainable"] > one["drafter_trainable"]
-    assert plan("--gpu", "B200", "--gpu-count", 8)["assumptions"]["memory_model"] == "trainer/sizing.py"
+    assert plan("--gpu", "B200", "--gpu-count", 8)["assumptions"]["memory_model"] == "trainer/layout/sizing.py"
 
 
 @pytest.mark.parametrize("gpu, count", [("RTX-PRO-6000-96GB", 4), ("B200", 8), ("B200", 7), ("H200", 1)])

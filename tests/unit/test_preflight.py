@@ -169,7 +169,7 @@ def test_short_responses_87_percent_refused(make_config, tmp_path):
 
 
 def test_greedy_empty_responses_refused(tiny_target, make_config, tmp_path):
-    from trainer.synth import greedy_dataset
+    from trainer.demo.synth import greedy_dataset
 
     prompts = [[3 + i, 4 + i, 5 + i, 6 + i] for i in range(8)]
     data = greedy_dataset(tiny_target, prompts, 20, tmp_path / "ds", empty_fraction=0.87, seed=1)

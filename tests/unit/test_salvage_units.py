@@ -10,7 +10,7 @@ import pytest
 
 from trainer.salvage import SalvageError
 from trainer.salvage.inventory import classify, parse_compute_apps
-from trainer.salvage.s3 import parse_s3_url
+from trainer.s3.client import parse_s3_url
 from trainer.salvage.stop import stop_method
 from trainer.salvage.verify import prefix_table
 
@@ -86,7 +86,7 @@ def test_prefix_table():
 
 def test_salvage_bookkeeping_is_light():
     code = ("import sys\nimport trainer.cli, trainer.salvage.cli, trainer.salvage.inventory, trainer.salvage.stop, "
-            "trainer.salvage.collect, trainer.salvage.notes, trainer.salvage.s3, trainer.salvage.verify\n"
+            "trainer.salvage.collect, trainer.salvage.notes, trainer.s3.client, trainer.salvage.verify\n"
             "trainer.cli.build_parser()\n"
             "heavy = [m for m in ('torch', 'transformers', 'speculators', 'datasets', 'boto3') if m in sys.modules]\n"
             "print(heavy)")

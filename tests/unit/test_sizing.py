@@ -1,4 +1,4 @@
-"""trainer/sizing.py: the one memory model of `dflash plan` and `dflash preflight`, and what it
+"""trainer/layout/sizing.py: the one memory model of `dflash plan` and `dflash preflight`, and what it
 counts for the trainer as it runs (fp32 drafter, DDP buckets, ZeRO-1 moments, full logits)."""
 
 from pathlib import Path
@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 
 from trainer.config import load_config
-from trainer.plan import per_gpu_bytes, read_target
+from trainer.layout.plan import per_gpu_bytes, read_target
 from trainer.preflight import TargetInfo, estimate_memory
-from trainer.sizing import Shapes, per_device_bytes
+from trainer.layout.sizing import Shapes, per_device_bytes
 
 QWEN = Path(__file__).resolve().parents[1] / "fixtures" / "targets" / "qwen3.6-27b"
 S = Shapes(target_params=27_000_000_000, target_dtype_bytes=2, hidden=5120, vocab=248320, intermediate=17408,
