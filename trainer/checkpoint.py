@@ -7,6 +7,7 @@ The light part (listing, verifying, the `latest` pointer) imports no torch; savi
 
 from __future__ import annotations
 
+from trainer.errors import DflashError, ExitCode
 import json
 import os
 import shutil
@@ -24,8 +25,10 @@ LATEST = "latest"
 PREFIX = "step-"
 
 
-class CheckpointError(RuntimeError):
-    pass
+class CheckpointError(DflashError, RuntimeError):
+    """A checkpoint that cannot be used (exit 1: the run failed; a supervisor may restart it)."""
+
+    exit_code = ExitCode.FAILED
 
 
 def checkpoints_dir(out_dir: Path) -> Path:

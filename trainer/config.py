@@ -8,6 +8,7 @@ Paths given relative are resolved against the config file's folder, so a run fol
 
 from __future__ import annotations
 
+from trainer.errors import DflashError
 import copy
 import json
 from pathlib import Path
@@ -19,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 SCHEMA_VERSION = 1
 
 
-class ConfigError(ValueError):
+class ConfigError(DflashError, ValueError):
     """A run config that cannot be used; the message says what to change."""
 
 

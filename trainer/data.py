@@ -7,6 +7,7 @@ seconds without building Python lists per sample.
 
 from __future__ import annotations
 
+from trainer.errors import DflashError
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +20,7 @@ HIST_EDGES = (0, 1, 2, 6, 7, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 REGENERATE_FIX = "regenerate the responses with `dflash regenerate`"
 
 
-class DataError(ValueError):
+class DataError(DflashError, ValueError):
     """A dataset the trainer cannot use. `code` and `fix` let preflight report it as a Problem;
     str(error) is the message followed by the fix."""
 

@@ -10,6 +10,7 @@ template / thinking mode of the training data, when known: `dflash eval` compare
 
 from __future__ import annotations
 
+from trainer.errors import DflashError
 import json
 import shutil
 from pathlib import Path
@@ -20,7 +21,7 @@ import torch
 from trainer.fsutil import atomic_write_text, dir_size, sha256_file
 
 
-class ExportError(ValueError):
+class ExportError(DflashError, ValueError):
     """A checkpoint that cannot be exported; the message says what to change."""
 
 

@@ -19,6 +19,7 @@ a clean copy has none).
 
 from __future__ import annotations
 
+from trainer.errors import DflashError
 import fnmatch
 import json
 import os
@@ -35,7 +36,7 @@ MANIFEST_VERSION = 1
 ALWAYS_EXCLUDED = (".rsync-partial", ".rsync-partial/*", ".s3-partial", ".s3-partial/*")
 
 
-class ManifestError(ValueError):
+class ManifestError(DflashError, ValueError):
     """A manifest or folder that cannot be used; the message names the file."""
 
 

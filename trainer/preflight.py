@@ -16,6 +16,7 @@ transformers or speculators import. torch is imported only to ask CUDA for its f
 
 from __future__ import annotations
 
+from trainer.errors import DflashError
 import json
 import math
 import os
@@ -164,7 +165,7 @@ def _pct(x: float) -> str:
 # ---------------------------------------------------------------- safetensors headers
 
 
-class SafetensorsError(ValueError):
+class SafetensorsError(DflashError, ValueError):
     """A .safetensors file whose header cannot be read: truncated, or not safetensors at all."""
 
 

@@ -16,6 +16,7 @@ for large-scale regeneration plugs in.
 
 from __future__ import annotations
 
+from trainer.errors import DflashError
 import hashlib
 import json
 import shutil
@@ -32,7 +33,7 @@ META_SCHEMA_VERSION = 1
 BACKENDS = ("transformers", "vllm")
 
 
-class RegenerateError(ValueError):
+class RegenerateError(DflashError, ValueError):
     """Arguments or a partial run that cannot be used; the message says what to change."""
 
 

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+from trainer.errors import DflashError
 import json
 import logging
 import tempfile
@@ -21,7 +22,7 @@ import torch
 from trainer.sources.hooked import _base_model, resolve_dtype
 
 
-class ModelError(ValueError):
+class ModelError(DflashError, ValueError):
     """A drafter/target pair that cannot be evaluated; the message says what to change."""
 
 

@@ -8,6 +8,7 @@ so a dataset and an evaluation can be compared. Heavy only when a tokenizer is n
 
 from __future__ import annotations
 
+from trainer.errors import DflashError
 import hashlib
 import json
 from dataclasses import asdict, dataclass
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 
-class PromptError(ValueError):
+class PromptError(DflashError, ValueError):
     """A prompt file that cannot be used; the message names the file and line."""
 
 

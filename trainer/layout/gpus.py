@@ -14,6 +14,7 @@ Rules (NVIDIA's CUDA release notes, "minimum required driver", Linux):
 
 from __future__ import annotations
 
+from trainer.errors import DflashError
 import csv
 import io
 import json
@@ -37,7 +38,7 @@ ARCH_BY_CC_MAJOR = {
 }
 
 
-class GpuFactsError(ValueError):
+class GpuFactsError(DflashError, ValueError):
     """nvidia-smi output that cannot be read; the message quotes the offending line."""
 
 

@@ -20,6 +20,7 @@ Every assumption is a named constant and is echoed in the JSON under `assumption
 
 from __future__ import annotations
 
+from trainer.errors import DflashError
 import json
 import struct
 from dataclasses import dataclass
@@ -58,7 +59,7 @@ ASSUMPTIONS = {
 }
 
 
-class PlanError(ValueError):
+class PlanError(DflashError, ValueError):
     """Bad plan input (unknown GPU, unreadable config); the message says what to pass."""
 
 

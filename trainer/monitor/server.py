@@ -7,6 +7,7 @@ of discovered runs, never by a path. Light side: no torch."""
 
 from __future__ import annotations
 
+from trainer.errors import DflashError
 import hmac
 import ipaddress
 import json
@@ -43,7 +44,7 @@ SECURITY_HEADERS = {
 }
 
 
-class MonitorError(ValueError):
+class MonitorError(DflashError, ValueError):
     """A refused configuration (bind address, token): the CLI prints it and exits 2."""
 
 

@@ -5,6 +5,8 @@ Light side: nothing here imports torch, transformers or speculators at import ti
 loadability checks of `verify` import them, lazily. Docs: docs/salvage.md.
 """
 
+from trainer.errors import DflashError
+
 MANIFEST_NAME = "MANIFEST.json"
 STATE_DIR = ".salvage"  # step reports of this salvage set; never part of the manifest
 NOTES_NAME = "NOTES.md"
@@ -16,5 +18,5 @@ RECORDS = (NOTES_NAME, REPORT_NAME)
 MANIFEST_EXCLUDE = (STATE_DIR, NOTES_NAME, REPORT_NAME)
 
 
-class SalvageError(RuntimeError):
+class SalvageError(DflashError, RuntimeError):
     """Bad input or a precondition that fails before any work; the message says what to change."""
