@@ -71,7 +71,7 @@ def main() -> int:
     args = ap.parse_args()
 
     from tests.s3servers import RadosGW, s3_env
-    from trainer.s3.client import push
+    from trainer.s3.push import push
     from trainer.salvage.verify import verify_s3
 
     server = None
@@ -91,11 +91,11 @@ def main() -> int:
         plain = boto3.client("s3", endpoint_url=endpoint, config=Config(
             request_checksum_calculation="when_required", s3={"addressing_style": "path"}))
         # the same naive loop with the integrity push does: Content-MD5 on the request, sha256 metadata
-        from trainer.s3.client import _content_md5
+        from trainer.s3.client import add_content_md5
 
         checked = boto3.client("s3", endpoint_url=endpoint, config=Config(
             request_checksum_calculation="when_required", s3={"addressing_style": "path"}))
-        checked.meta.events.register("before-call.s3.PutObject", _content_md5)
+        checked.meta.events.register("before-call.s3.PutObject", add_content_md5)
         try:
             plain.create_bucket(Bucket=args.bucket)
         except plain.exceptions.BucketAlreadyOwnedByYou:

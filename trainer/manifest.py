@@ -34,6 +34,14 @@ from trainer.fsutil import atomic_write_text, sha256_file
 MANIFEST_VERSION = 1
 # Partial-transfer folders (rsync --partial-dir of the data_sync role; `dflash s3 pull`): never data.
 ALWAYS_EXCLUDED = (".rsync-partial", ".rsync-partial/*", ".s3-partial", ".s3-partial/*")
+# A set's own manifest inside it (a salvage set, an S3 prefix); a synced folder's manifest lives beside it.
+MANIFEST_NAME = "MANIFEST.json"
+
+
+def manifest_beside(folder: Path) -> Path:
+    """Where a folder's own manifest lives: next to it, never inside it (`data/tok` -> `data/tok.manifest.json`)."""
+    folder = Path(folder)
+    return folder.parent / f"{folder.name}.manifest.json"
 
 
 class ManifestError(DflashError, ValueError):

@@ -318,7 +318,8 @@ def test_empty_responses_dataset_verdict_in_the_notes(tmp_path, tiny_target, mot
 
 def test_content_md5_on_every_part_and_radosgw_rejects_a_bad_one(tmp_path, rgw, monkeypatch):
     from trainer.salvage.collect import collect
-    from trainer.s3.client import make_client, push
+    from trainer.s3.client import make_client
+    from trainer.s3.push import push
 
     run = tmp_path / "run"
     run.mkdir()

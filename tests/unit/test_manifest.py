@@ -112,6 +112,6 @@ def test_unsafe_paths_are_refused(tmp_path):
 
 
 def test_light_side_imports_no_torch():
-    code = "import sys, trainer.manifest, trainer.layout.plan, trainer.layout.gpus, trainer.cli_ops; print('torch' in sys.modules or 'numpy' in sys.modules)"
+    code = "import sys, trainer.manifest, trainer.layout.plan, trainer.layout.gpus, trainer.cli.node; print('torch' in sys.modules or 'numpy' in sys.modules)"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert r.stdout.strip() == "False", r.stderr

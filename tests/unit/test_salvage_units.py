@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from trainer.salvage import SalvageError
+from trainer.s3 import S3Error
 from trainer.salvage.inventory import classify, parse_compute_apps
 from trainer.s3.client import parse_s3_url
 from trainer.salvage.stop import stop_method
@@ -70,7 +70,7 @@ def test_parse_s3_url():
     assert parse_s3_url("s3://my-bucket").key("x") == "x"
     for bad, why in (("https://b/p", "expected s3://"), ("s3:///p", "no bucket"), ("s3://B_ad/p", "not a valid bucket"),
                      ("s3://bucket/a/../b", "'..'")):
-        with pytest.raises(SalvageError, match=why):
+        with pytest.raises(S3Error, match=why):
             parse_s3_url(bad)
 
 
@@ -85,7 +85,7 @@ def test_prefix_table():
 
 
 def test_salvage_bookkeeping_is_light():
-    code = ("import sys\nimport trainer.cli, trainer.salvage.cli, trainer.salvage.inventory, trainer.salvage.stop, "
+    code = ("import sys\nimport trainer.cli, trainer.cli.salvage, trainer.salvage.inventory, trainer.salvage.stop, "
             "trainer.salvage.collect, trainer.salvage.notes, trainer.s3.client, trainer.salvage.verify\n"
             "trainer.cli.build_parser()\n"
             "heavy = [m for m in ('torch', 'transformers', 'speculators', 'datasets', 'boto3') if m in sys.modules]\n"

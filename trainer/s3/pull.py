@@ -1,9 +1,4 @@
-"""Folders to S3 and back, every file proven by sha256 (`dflash s3 push` / `dflash s3 pull`).
-
-`push DIR s3://BUCKET/PREFIX`: writes DIR's manifest beside it (`DIR.manifest.json`, digests of
-unchanged files reused), then uploads through the salvage uploader (`trainer.s3.client.push`:
-Content-MD5 on every request, sha256 in each object's metadata, objects already there skipped,
-`PREFIX/MANIFEST.json` last). A dataset is uploaded once from wherever it was tokenized.
+"""A folder from S3, every file proven by sha256 (`dflash s3 pull`).
 
 `pull s3://BUCKET/PREFIX DIR` (the data_sync role's S3 -> host direction) reads `PREFIX/MANIFEST.json`
 (a push or a salvage set) and, before anything is written, refuses a prefix with no manifest, an object
@@ -36,40 +31,12 @@ from pathlib import Path
 from typing import Any
 
 from trainer.fsutil import atomic_write_text, sha256_file
-from trainer.salvage import MANIFEST_NAME, SalvageError
+from trainer.manifest import MANIFEST_NAME, manifest_beside
+from trainer.s3 import S3Error
 from trainer.s3 import client as s3lib
 
 PARTIAL_DIR = ".s3-partial"
 MiB = 2**20
-
-
-def beside(folder: Path) -> Path:
-    """Where a folder's own manifest lives: next to it, never inside it (`data/tok` -> `data/tok.manifest.json`)."""
-    folder = Path(folder)
-    return folder.parent / f"{folder.name}.manifest.json"
-
-
-# ---------------------------------------------------------------- push
-
-
-def push_folder(folder: Path, url: str, endpoint_url: str | None = None, check: bool = False,
-                exclude: tuple[str, ...] = (), workers: int = 8, progress: bool = True, client=None) -> dict[str, Any]:
-    from trainer.manifest import ManifestError, create_manifest, load_manifest
-
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise SalvageError(f"{folder} is not a folder")
-    s3lib.parse_s3_url(url)  # a bad URL fails before any hashing
-    mpath = beside(folder)
-    try:
-        old = load_manifest(mpath) if mpath.is_file() else None
-    except ManifestError:
-        old = None  # a broken old manifest is simply rebuilt
-    create_manifest(folder, mpath, exclude=tuple(exclude), reuse=old, source=str(folder.resolve()))
-    report = s3lib.push(folder, url, endpoint_url=endpoint_url, check=check, workers=workers, progress=progress,
-                        client=client, manifest_path=mpath, remake_hint="re-run `dflash s3 push`")
-    report["manifest"] = str(mpath)
-    return report
 
 
 # ---------------------------------------------------------------- pull
@@ -180,32 +147,32 @@ def _place_link(target: Path, to: str) -> bool:
 def pull(url: str, dest: Path, endpoint_url: str | None = None, check: bool = False, workers: int = 4,
          bwlimit_kbps: int = 0, progress: bool = True, client=None) -> dict[str, Any]:
     """Copy s3://BUCKET/PREFIX (which has a MANIFEST.json) into `dest`, resumable, every file proven.
-    Returns the report (`ok` false when a file could not be proven); raises SalvageError on bad input
+    Returns the report (`ok` false when a file could not be proven); raises S3Error on bad input
     before anything is written."""
     from trainer.manifest import ManifestError, check_manifest, scan
 
     loc = s3lib.parse_s3_url(url)
     dest = Path(dest)
     if dest.exists() and not dest.is_dir():
-        raise SalvageError(f"destination {dest} exists and is not a folder")
+        raise S3Error(f"destination {dest} exists and is not a folder")
     client = client or s3lib.make_client(endpoint_url, max_pool=max(16, workers * 2))
     s3lib.check_bucket(client, loc)
     raw = s3lib.get_json(client, loc.bucket, loc.key(MANIFEST_NAME))
     if raw is None:
-        raise SalvageError(
+        raise S3Error(
             f"{loc.url(MANIFEST_NAME)} does not exist, so nothing there can be proven: upload the folder with "
             f"`dflash s3 push DIR {loc.url()}` (it writes the manifest), or pull a salvage set's prefix")
     try:
         manifest = check_manifest(raw, loc.url(MANIFEST_NAME))
     except ManifestError as exc:
-        raise SalvageError(str(exc)) from None
+        raise S3Error(str(exc)) from None
     files = {r: e for r, e in manifest["files"].items() if "sha256" in e}
     links = {r: e["symlink"] for r, e in manifest["files"].items() if "symlink" in e}
     objects = _object_sizes(client, loc, sorted(files), manifest.get("locations", {}))
     broken = [f"{rel}: {_why_object(size, files[rel]['size'])} (s3://{b}/{k})"
               for rel, (b, k, size) in objects.items() if size != files[rel]["size"]]
     if broken:
-        raise SalvageError(f"{len(broken)} object(s) under {loc.url()} do not match its manifest, so the copy "
+        raise S3Error(f"{len(broken)} object(s) under {loc.url()} do not match its manifest, so the copy "
                            "there is incomplete; nothing was downloaded: " + "; ".join(broken[:20]))
 
     t0 = time.monotonic()
@@ -224,7 +191,7 @@ def pull(url: str, dest: Path, endpoint_url: str | None = None, check: bool = Fa
         "plan": [{"path": r, "why": states[r], "size": files[r]["size"], "partial_bytes": have.get(r, 0)} for r in todo],
     }
     if need > free:
-        raise SalvageError(f"{dest}: {need / 2**30:.2f} GiB to download but only {free / 2**30:.2f} GiB free on "
+        raise S3Error(f"{dest}: {need / 2**30:.2f} GiB to download but only {free / 2**30:.2f} GiB free on "
                            f"{free_at}; nothing was downloaded")
     if check:
         report.update(downloaded=0, downloaded_bytes=0, resumed_bytes=0, failed=[], links_placed=0, ok=True,
@@ -265,13 +232,13 @@ def pull(url: str, dest: Path, endpoint_url: str | None = None, check: bool = Fa
     if not failed:
         # every file is in place: what is left are empty folders (or partials of files no longer named)
         shutil.rmtree(partial_root, ignore_errors=True)
-        atomic_write_text(beside(dest), _manifest_text(manifest))
+        atomic_write_text(manifest_beside(dest), _manifest_text(manifest))
     local, local_links = scan(dest)
     report.update(
         downloaded=sum(r["ok"] for r in results), downloaded_bytes=sum(r["bytes"] for r in results),
         resumed_bytes=sum(r["resumed_from"] for r in results), failed=failed, links_placed=placed_links,
         extra=sorted(set(local) - set(files)) + sorted(set(local_links) - set(links)),
-        manifest=str(beside(dest)) if not failed else None, ok=not failed, seconds=round(time.monotonic() - t0, 3),
+        manifest=str(manifest_beside(dest)) if not failed else None, ok=not failed, seconds=round(time.monotonic() - t0, 3),
     )
     return report
 

@@ -1,4 +1,4 @@
-"""Salvage a node before it is shut down (issue #6): inventory of running work, graceful stop of the
+"""Salvage a node before it is shut down: inventory of running work, graceful stop of the
 trainer, a checksummed salvage set, upload to S3, read-back verification and NOTES.md.
 
 Light side: nothing here imports torch, transformers or speculators at import time; only the
@@ -7,7 +7,6 @@ loadability checks of `verify` import them, lazily. Docs: docs/salvage.md.
 
 from trainer.errors import DflashError
 
-MANIFEST_NAME = "MANIFEST.json"
 STATE_DIR = ".salvage"  # step reports of this salvage set; never part of the manifest
 NOTES_NAME = "NOTES.md"
 REPORT_NAME = "salvage-report.json"

@@ -37,7 +37,8 @@ from typing import Any
 from trainer import checkpoint as ckpt
 from trainer.events import load_events
 from trainer.fsutil import atomic_write_text
-from trainer.salvage import MANIFEST_EXCLUDE, MANIFEST_NAME, STATE_DIR, SalvageError
+from trainer.manifest import MANIFEST_NAME, manifest_beside
+from trainer.salvage import MANIFEST_EXCLUDE, STATE_DIR, SalvageError
 
 MANAGED = ("run", "config", "data", "extra", "node")
 LINK_MIN_BYTES = 1 << 20
@@ -283,7 +284,7 @@ def select(
         sel.dataset = {"source": str(data_path), "path": rel, "bytes": _size(data_path)}
     if data_path is not None:
         # the data_sync role's manifest beside the data (`dflash manifest create DIR -o DIR.manifest.json`)
-        sync_manifest = data_path.parent / f"{data_path.name}.manifest.json"
+        sync_manifest = manifest_beside(data_path)
         if sync_manifest.is_file():
             sel.items.append(Item(sync_manifest, f"data/{sync_manifest.name}", sync_manifest.stat().st_size, "data"))
     for inc in includes or []:

@@ -23,7 +23,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from trainer.salvage import MANIFEST_EXCLUDE, MANIFEST_NAME, RECORDS, STATE_DIR, SalvageError
+from trainer.manifest import MANIFEST_NAME
+from trainer.salvage import MANIFEST_EXCLUDE, RECORDS, STATE_DIR, SalvageError
 
 LOAD_SUFFIXES = (".json", ".jsonl", ".yaml", ".yml", ".safetensors")
 

@@ -1,7 +1,8 @@
 """`dflash salvage inventory|stop|collect|push|verify|notes|all`.
 
-Exit codes: 0 everything holds; 1 a check failed (verify, push, stop without a verified final
-checkpoint); 2 bad input, refused before any work; 3 the trainer did not stop within --timeout.
+Exit codes (`trainer.errors.ExitCode`): OK everything holds; FAILED a check failed (verify, push, stop
+without a verified final checkpoint); REFUSED bad input, refused before any work; STOP_TIMEOUT the
+trainer did not stop within --timeout.
 Each verb that is given the salvage set (`--out SET` / `SET`) records its report in SET/.salvage/,
 which `notes` turns into NOTES.md and salvage-report.json.
 """
@@ -16,7 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-EXIT_OK, EXIT_FAILED, EXIT_INPUT, EXIT_TIMEOUT = 0, 1, 2, 3
+from trainer.errors import ExitCode
+
 
 
 def _emit(args, report: dict[str, Any], text: str) -> None:
@@ -39,7 +41,7 @@ def cmd_inventory(args) -> int:
     inv = take_inventory(args.run_dir, args.stop_unknown)
     _save(args.out, "inventory", inv)
     _emit(args, inv, render_table(inv))
-    return EXIT_OK
+    return ExitCode.OK
 
 
 def cmd_stop(args) -> int:
@@ -67,8 +69,8 @@ def cmd_stop(args) -> int:
     _emit(args, rep, text)
     if rep["state"] == "timeout":
         print(f"dflash salvage stop: {rep['message']}", file=sys.stderr)
-        return EXIT_TIMEOUT
-    return EXIT_OK if rep["ok"] else EXIT_FAILED
+        return ExitCode.STOP_TIMEOUT
+    return ExitCode.OK if rep["ok"] else ExitCode.FAILED
 
 
 def cmd_collect(args) -> int:
@@ -96,13 +98,14 @@ def cmd_collect(args) -> int:
         lines.append(f"  manifest {rep['manifest']}: {rep['file_count']} files, {rep['total_bytes']:,} bytes "
                      f"({rep['hashed']} hashed now, the rest unchanged)")
     _emit(args, rep, "\n".join(lines))
-    return EXIT_OK
+    return ExitCode.OK
 
 
 def cmd_push(args) -> int:
-    from trainer.s3.client import push
+    from trainer.s3.push import push
+    from trainer.salvage import RECORDS
 
-    rep = push(args.set, args.s3, args.endpoint_url, check=args.check, references=args.reference,
+    rep = push(args.set, args.s3, args.endpoint_url, check=args.check, references=args.reference, records=RECORDS,
                workers=args.workers, chunk_bytes=args.chunk_mib * 2**20, threshold_bytes=args.chunk_mib * 2**20,
                progress=not args.no_progress)
     _save(args.set, "push", rep)
@@ -127,15 +130,16 @@ def cmd_push(args) -> int:
             lines.append("  the manifest was NOT stored (the set is incomplete in S3): re-run the same push to resume")
     rep.pop("plan", None) if not args.json else None
     _emit(args, rep, "\n".join(lines))
-    return EXIT_OK if rep["ok"] else EXIT_FAILED
+    return ExitCode.OK if rep["ok"] else ExitCode.FAILED
 
 
 def cmd_verify(args) -> int:
     from trainer.salvage.verify import render, verify_local, verify_s3
 
     if (args.s3 is None) == (args.set is None):
-        print("dflash salvage verify: give either --s3 s3://BUCKET/PREFIX or a local salvage set folder", file=sys.stderr)
-        return EXIT_INPUT
+        from trainer.salvage import SalvageError
+
+        raise SalvageError("give either --s3 s3://BUCKET/PREFIX or a local salvage set folder")
     if args.s3:
         rep = verify_s3(args.s3, args.endpoint_url, load=not args.no_load, target=args.target, workdir=args.workdir,
                         workers=args.workers, data_gate=args.data_gate, load_checkpoints=not args.no_load_checkpoints)
@@ -144,7 +148,7 @@ def cmd_verify(args) -> int:
                            load_checkpoints=not args.no_load_checkpoints)
     _save(args.out, "verify", rep)
     _emit(args, rep, render(rep))
-    return EXIT_OK if rep["ok"] else EXIT_FAILED
+    return ExitCode.OK if rep["ok"] else ExitCode.FAILED
 
 
 def cmd_notes(args) -> int:
@@ -154,7 +158,7 @@ def cmd_notes(args) -> int:
     text = f"wrote {rep['notes']} and {rep['report']}: " + (
         "the node can go" if rep["node_can_go"] else "DO NOT shut the node down yet:\n  " + "\n  ".join(rep["reasons"]))
     _emit(args, rep, text)
-    return EXIT_OK if rep["node_can_go"] else EXIT_FAILED
+    return ExitCode.OK if rep["node_can_go"] else ExitCode.FAILED
 
 
 def cmd_all(args) -> int:
@@ -173,27 +177,27 @@ def cmd_all(args) -> int:
     verify = ["verify", *common_s3, "--out", str(args.out), "--data-gate", args.data_gate]
     verify += ["--target", str(args.target)] if args.target else []
     if args.check:
-        codes = [main_salvage([*stop, "--check", *base]), main_salvage([*collect, "--check", *base])]
+        codes = [salvage_step([*stop, "--check", *base]), salvage_step([*collect, "--check", *base])]
         if (Path(args.out) / "MANIFEST.json").is_file():
-            codes.append(main_salvage([*push, "--check", *base]))
+            codes.append(salvage_step([*push, "--check", *base]))
         print(f"(--check) then: verify every manifest entry at {args.s3} by reading it back, load each "
               "checkpoint and dataset, write NOTES.md; nothing was changed", file=sys.stderr)
         return max(codes)
-    rc_stop = main_salvage([*stop, *base])
-    if rc_stop == EXIT_INPUT:
+    rc_stop = salvage_step([*stop, *base])
+    if rc_stop == ExitCode.REFUSED:
         return rc_stop
     for step in (collect, push):
-        rc = main_salvage([*step, *base])
-        if rc != EXIT_OK:
-            main_salvage(["notes", str(args.out), *base])
+        rc = salvage_step([*step, *base])
+        if rc != ExitCode.OK:
+            salvage_step(["notes", str(args.out), *base])
             return rc
-    rc_verify = main_salvage([*verify, *base])
-    rc_notes = main_salvage(["notes", str(args.out), *base])
-    rc_push = main_salvage([*push, *base])  # NOTES.md, the report and the refreshed manifest
+    rc_verify = salvage_step([*verify, *base])
+    rc_notes = salvage_step(["notes", str(args.out), *base])
+    rc_push = salvage_step([*push, *base])  # NOTES.md, the report and the refreshed manifest
     return max(rc_stop, rc_verify, rc_notes, rc_push)
 
 
-def add_parser(sub) -> None:
+def register(sub) -> None:
     sal = sub.add_parser("salvage", help="before a node is shut down: stop, collect, upload, verify, write notes")
     ss = sal.add_subparsers(dest="salvage_verb", required=True, metavar="STEP")
 
@@ -206,7 +210,7 @@ def add_parser(sub) -> None:
     p.add_argument("--stop-unknown", action="store_true", help="mark non-trainer work to be stopped too")
     p.add_argument("--out", type=Path, help="salvage set: record the report in SET/.salvage/")
     p.add_argument("--json", action="store_true")
-    p.set_defaults(func=run, salvage_func=cmd_inventory)
+    p.set_defaults(func=cmd_inventory)
 
     p = ss.add_parser("stop", help="SIGTERM the trainer (via systemd/supervisor/torchrun), wait for its final checkpoint")
     p.add_argument("--run-dir", type=Path, required=True)
@@ -215,7 +219,7 @@ def add_parser(sub) -> None:
     p.add_argument("--check", action="store_true", help="say what would be stopped; stop nothing")
     p.add_argument("--out", type=Path)
     p.add_argument("--json", action="store_true")
-    p.set_defaults(func=run, salvage_func=cmd_stop)
+    p.set_defaults(func=cmd_stop)
 
     p = ss.add_parser("collect", help="copy the run's artifacts and node facts into a salvage set + sha256 manifest")
     p.add_argument("--run-dir", type=Path, required=True)
@@ -229,7 +233,7 @@ def add_parser(sub) -> None:
     p.add_argument("--refresh-facts", action="store_true", help="take the node facts again (default: keep the first)")
     p.add_argument("--check", action="store_true", help="list what would be collected; write nothing")
     p.add_argument("--json", action="store_true")
-    p.set_defaults(func=run, salvage_func=cmd_collect)
+    p.set_defaults(func=cmd_collect)
 
     p = ss.add_parser("push", help="upload a salvage set to S3 (multipart, Content-MD5, sha256 metadata, resumable)")
     p.add_argument("set", type=Path, metavar="SET")
@@ -241,7 +245,7 @@ def add_parser(sub) -> None:
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--check", action="store_true", help="list what would be uploaded; send nothing")
     p.add_argument("--json", action="store_true")
-    p.set_defaults(func=run, salvage_func=cmd_push)
+    p.set_defaults(func=cmd_push)
 
     p = ss.add_parser("verify", help="read every manifest entry back, hash it, load checkpoints and datasets")
     p.add_argument("set", type=Path, nargs="?", metavar="SET", help="a local salvage set (instead of --s3)")
@@ -255,12 +259,12 @@ def add_parser(sub) -> None:
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--out", type=Path, help="salvage set: record the report in SET/.salvage/")
     p.add_argument("--json", action="store_true")
-    p.set_defaults(func=run, salvage_func=cmd_verify)
+    p.set_defaults(func=cmd_verify)
 
     p = ss.add_parser("notes", help="write NOTES.md and salvage-report.json into the set from the step reports")
     p.add_argument("set", type=Path, metavar="SET")
     p.add_argument("--json", action="store_true")
-    p.set_defaults(func=run, salvage_func=cmd_notes)
+    p.set_defaults(func=cmd_notes)
 
     p = ss.add_parser("all", help="every step in order: stop, collect, push, verify, notes (what the role runs)")
     p.add_argument("--run-dir", type=Path, required=True)
@@ -278,30 +282,11 @@ def add_parser(sub) -> None:
     p.add_argument("--data-gate", choices=("fail", "warn"), default="fail")
     p.add_argument("--check", action="store_true", help="list what would be stopped, moved and verified")
     p.add_argument("--json", action="store_true")
-    p.set_defaults(func=run, salvage_func=cmd_all)
+    p.set_defaults(func=cmd_all)
 
 
-def run(args) -> int:
-    from trainer.manifest import ManifestError
-    from trainer.salvage import SalvageError
+def salvage_step(argv: list[str]) -> int:
+    """One step of `salvage all`, exactly as `dflash salvage ARGV...` would run it (its errors become its exit code)."""
+    from trainer.cli import main
 
-    try:
-        return int(args.salvage_func(args) or 0)
-    except (SalvageError, ManifestError) as exc:
-        print(f"dflash salvage {args.salvage_verb}: {exc}", file=sys.stderr)
-        return EXIT_INPUT
-    except Exception as exc:
-        # S3 trouble outside the per-object handling (the endpoint died while listing, say): one clear
-        # line, exit 1 (botocore's messages name the operation and the endpoint, never the credentials)
-        if type(exc).__module__.split(".")[0] not in ("botocore", "boto3", "s3transfer", "urllib3"):
-            raise
-        print(f"dflash salvage {args.salvage_verb}: S3 failed: {type(exc).__name__}: {exc}; "
-              "nothing is marked complete: run it again", file=sys.stderr)
-        return EXIT_FAILED
-
-
-def main_salvage(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="dflash")
-    add_parser(parser.add_subparsers(dest="verb"))
-    args = parser.parse_args(["salvage", *argv])
-    return run(args)
+    return main(["salvage", *argv])

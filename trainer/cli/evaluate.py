@@ -1,10 +1,9 @@
-"""The verbs of issue #3 for `dflash`: eval, export, regenerate. Light at import: each handler
-imports its implementation when it runs. Errors that name a bad input exit 2 with one line."""
+"""The verbs that use a trained drafter or the target: `dflash eval`, `export` and `regenerate`.
+Light at import: each handler imports its implementation when it runs."""
 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 
@@ -37,58 +36,36 @@ def _template_args(p: argparse.ArgumentParser) -> None:
                    help="do not stop at end-of-sequence / end-of-turn tokens (always --max-new-tokens)")
 
 
-def _run(verb: str, call) -> int:
-    from trainer.eval.models import ModelError
-    from trainer.eval.prompts import PromptError
-    from trainer.export import ExportError
-    from trainer.regenerate import RegenerateError
-
-    try:
-        return int(call() or 0)
-    except (PromptError, ModelError, RegenerateError, ExportError) as exc:
-        print(f"dflash {verb}: {exc}", file=sys.stderr)
-        return 2
-
-
 def cmd_eval(args) -> int:
-    def call():
-        from trainer.eval.run import EvalOptions, run_eval
+    from trainer.eval.run import EvalOptions, run_eval
 
-        return run_eval(EvalOptions(
-            drafters=args.drafter, target=args.target, prompts=args.prompts, out=args.out,
-            max_new_tokens=args.max_new_tokens, block_size=args.block_size, device=args.device,
-            chat_template=args.chat_template, thinking=args.thinking, limit=args.limit,
-            reference=args.reference, check_lossless=args.check_lossless, ignore_eos=args.ignore_eos,
-        ))
-
-    return _run("eval", call)
+    return run_eval(EvalOptions(
+        drafters=args.drafter, target=args.target, prompts=args.prompts, out=args.out,
+        max_new_tokens=args.max_new_tokens, block_size=args.block_size, device=args.device,
+        chat_template=args.chat_template, thinking=args.thinking, limit=args.limit,
+        reference=args.reference, check_lossless=args.check_lossless, ignore_eos=args.ignore_eos,
+    ))
 
 
 def cmd_export(args) -> int:
-    def call():
-        from trainer.export import export
+    from trainer.export import export
 
-        export(args.checkpoint, args.out, target=args.target, verifier=args.verifier, dtype=args.dtype)
-        return 0
-
-    return _run("export", call)
+    export(args.checkpoint, args.out, target=args.target, verifier=args.verifier, dtype=args.dtype)
+    return 0
 
 
 def cmd_regenerate(args) -> int:
-    def call():
-        from trainer.regenerate import RegenOptions, regenerate
+    from trainer.regenerate import RegenOptions, regenerate
 
-        regenerate(RegenOptions(
-            target=args.target, prompts=args.prompts, out=args.out, max_new_tokens=args.max_new_tokens,
-            batch_size=args.batch_size, chat_template=args.chat_template, thinking=args.thinking,
-            limit=args.limit, backend=args.backend, device=args.device, ignore_eos=args.ignore_eos,
-        ))
-        return 0
-
-    return _run("regenerate", call)
+    regenerate(RegenOptions(
+        target=args.target, prompts=args.prompts, out=args.out, max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size, chat_template=args.chat_template, thinking=args.thinking,
+        limit=args.limit, backend=args.backend, device=args.device, ignore_eos=args.ignore_eos,
+    ))
+    return 0
 
 
-def add_verbs(sub) -> None:
+def register(sub) -> None:
     p = sub.add_parser("eval", help="acceptance length tau of drafters against the target (report .json/.md/.png)")
     p.add_argument("--drafter", required=True, type=Path, action="append",
                    help="checkpoint folder, export, run out_dir (its latest), or a z-lab/SpecForge drafter; "

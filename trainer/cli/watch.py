@@ -1,10 +1,10 @@
-"""The `dflash monitor` and `dflash status` subcommands (argparse only at import: the CLI stays light)."""
+"""The verbs that watch a run: `dflash monitor` (the page and its API) and `dflash status` (one screen).
+Argparse only at import: the CLI stays light."""
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 from pathlib import Path
 
 
@@ -30,19 +30,14 @@ def cmd_monitor(args) -> int:
         try:
             token = args.token_file.read_text().strip()
         except OSError as exc:
-            print(f"dflash monitor: cannot read --token-file: {exc}", file=sys.stderr)
-            return 2
+            raise MonitorError(f"cannot read --token-file: {exc}") from None
     elif os.environ.get("DFLASH_MONITOR_TOKEN"):
         token = os.environ["DFLASH_MONITOR_TOKEN"].strip()
     try:
         serve(args.run_dir, host=args.host, port=args.port, token=token, allow_remote=args.allow_remote,
               thresholds=_thresholds(args))
-    except MonitorError as exc:
-        print(f"dflash monitor: {exc}", file=sys.stderr)
-        return 2
     except OSError as exc:
-        print(f"dflash monitor: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
-        return 2
+        raise MonitorError(f"cannot listen on {args.host}:{args.port}: {exc}") from None
     return 0
 
 
@@ -53,7 +48,7 @@ def cmd_status(args) -> int:
                   thresholds=_thresholds(args))
 
 
-def add_verbs(sub) -> None:
+def register(sub) -> None:
     p = sub.add_parser("monitor", help="serve the live run page and its API (127.0.0.1:8080 by default)")
     p.add_argument("--run-dir", required=True, type=Path,
                    help="a run's out_dir, or a folder of runs (the page gets a selector); may not exist yet")

@@ -1,14 +1,12 @@
-"""`dflash <verb>`: the only way roles and people drive the package.
-
-Every verb imports its implementation lazily, so `dflash --help` and the light verbs start fast
-on a node whose GPU is busy (no torch/transformers/speculators import)."""
+"""The verbs of a run: `dflash preflight`, `train`, `config`, `summary` and `demo` (the embedded default)."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
+
+from trainer.errors import ExitCode
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -33,7 +31,7 @@ def cmd_preflight(args) -> int:
         print(json.dumps(report.to_dict(), indent=1))
     else:
         print(report.render_text())
-    return 0 if report.ok else 2
+    return ExitCode.OK if report.ok else ExitCode.REFUSED
 
 
 def cmd_train(args) -> int:
@@ -61,6 +59,10 @@ def cmd_config(args) -> int:
         for key, typ, default, desc in schema_reference():
             print(f"{key:34} {typ:36} {default:14} {desc}")
         return 0
+    if args.config is None:
+        from trainer.config import ConfigError
+
+        raise ConfigError("pass --config FILE or --schema")
     cfg = _load(args)
     import yaml
 
@@ -74,12 +76,7 @@ def cmd_demo(args) -> int:
     return run_demo(args.out, steps=args.steps, tiny=args.tiny, prepare_only=args.prepare_only)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="dflash", description="Online DFlash drafter training: preflight, train, inspect."
-    )
-    sub = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
-
+def register(sub) -> None:
     p = sub.add_parser("preflight", help="check data, config and machine before any GPU time")
     _add_config_args(p)
     p.add_argument("--json", action="store_true", help="machine-readable report")
@@ -108,39 +105,3 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prepare-only", action="store_true",
                    help="write target, data and run.yaml, print their paths as JSON, do not train (train.yml -l local)")
     p.set_defaults(func=cmd_demo)
-
-    # --- verbs of issue #3 (eval, export, regenerate): add below this line
-    from trainer.eval.cli import add_verbs as add_issue3_verbs
-
-    add_issue3_verbs(sub)
-    # --- verbs of issue #4 (monitor, status): add below this line
-    from trainer.monitor.verbs import add_verbs as add_monitor_verbs  # argparse only: stays light
-
-    add_monitor_verbs(sub)
-    # --- verbs of issue #5 (plan, manifest): add below this line
-    from trainer.cli_ops import add_verbs as _add_issue5_verbs  # plan, manifest, gpu
-
-    _add_issue5_verbs(sub)
-    # --- verbs of issue #6 (salvage): add below this line
-    from trainer.salvage.cli import add_parser as add_salvage_verbs
-
-    add_salvage_verbs(sub)
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    from trainer.config import ConfigError
-
-    args = build_parser().parse_args(argv)
-    if args.verb == "config" and not (args.schema or args.markdown) and args.config is None:
-        print("dflash config: pass --config FILE or --schema", file=sys.stderr)
-        return 2
-    try:
-        return int(args.func(args) or 0)
-    except ConfigError as exc:
-        print(f"dflash {args.verb}: {exc}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,7 +1,7 @@
-"""CLI verbs of issue #5 for the roles: `dflash plan`, `dflash manifest`, `dflash gpu`, `dflash s3`.
+"""The verbs the roles call about a node and its files: `dflash plan` (the layout), `gpu` (facts and
+the driver/CUDA decision), `manifest` (sha256 of a folder) and `s3` (a folder to S3 and back).
 
-Argument definitions only; each verb imports its (light) module when it runs. Errors in the input
-end with exit 2 and one line naming what to fix."""
+Argument definitions only; each handler imports its (light) module when it runs."""
 
 from __future__ import annotations
 
@@ -9,60 +9,41 @@ import json
 import sys
 from pathlib import Path
 
-
-def _fail(verb: str, exc: Exception) -> int:
-    print(f"dflash {verb}: {exc}", file=sys.stderr)
-    return 2
+from trainer.errors import ExitCode
 
 
 def _plan(args) -> int:
-    from trainer.layout.plan import PlanError, cmd_plan
+    from trainer.layout.plan import cmd_plan
 
-    try:
-        return cmd_plan(args)
-    except PlanError as exc:
-        return _fail("plan", exc)
-
-
-def _manifest(args) -> int:
-    from trainer.manifest import ManifestError
-
-    try:
-        return args.impl(args)
-    except ManifestError as exc:
-        return _fail(f"manifest {args.manifest_cmd}", exc)
+    return cmd_plan(args)
 
 
 def _s3(args) -> int:
-    from trainer.manifest import ManifestError
-    from trainer.s3.pull import pull, push_folder
-    from trainer.salvage import SalvageError
+    from trainer.s3.pull import pull
+    from trainer.s3.push import push_folder
 
-    try:
-        if args.s3_cmd == "push":
-            report = push_folder(Path(args.dir), args.url, args.endpoint_url, args.check, tuple(args.exclude),
-                                 args.workers, not args.no_progress)
-            text = (f"{report['s3']}: {report['files']} files, {report['bytes']} bytes; uploaded {report['uploaded']} "
-                    f"({report['uploaded_bytes']} bytes), {report['skipped']} already there; manifest {report['manifest']}")
-            failed = report.get("failed", [])
-        else:
-            report = pull(args.url, Path(args.dir), args.endpoint_url, args.check, args.workers, args.bwlimit_kbps,
-                          not args.no_progress)
-            text = (f"{report['dest']}: {report['files']} files, {report['bytes']} bytes; {report['present']} already "
-                    f"there, {report['downloaded']} downloaded ({report['downloaded_bytes']} bytes, "
-                    f"{report['resumed_bytes']} bytes resumed from partial files)")
-            if report.get("extra"):
-                text += f"; {len(report['extra'])} local file(s) not in the manifest left alone"
-            failed = report["failed"]
-    except (SalvageError, ManifestError) as exc:
-        return _fail(f"s3 {args.s3_cmd}", exc)
+    if args.s3_cmd == "push":
+        report = push_folder(Path(args.dir), args.url, args.endpoint_url, args.check, tuple(args.exclude),
+                             args.workers, not args.no_progress)
+        text = (f"{report['s3']}: {report['files']} files, {report['bytes']} bytes; uploaded {report['uploaded']} "
+                f"({report['uploaded_bytes']} bytes), {report['skipped']} already there; manifest {report['manifest']}")
+        failed = report.get("failed", [])
+    else:
+        report = pull(args.url, Path(args.dir), args.endpoint_url, args.check, args.workers, args.bwlimit_kbps,
+                      not args.no_progress)
+        text = (f"{report['dest']}: {report['files']} files, {report['bytes']} bytes; {report['present']} already "
+                f"there, {report['downloaded']} downloaded ({report['downloaded_bytes']} bytes, "
+                f"{report['resumed_bytes']} bytes resumed from partial files)")
+        if report.get("extra"):
+            text += f"; {len(report['extra'])} local file(s) not in the manifest left alone"
+        failed = report["failed"]
     if args.json:
         print(json.dumps({k: v for k, v in report.items() if k != "plan" or args.check}))
     else:
         print(text + ("" if not args.check else " (--check: nothing moved)"))
         for f in failed:
             print(f"FAILED {f['path']}: {f['error']}", file=sys.stderr)
-    return 0 if report["ok"] else 1
+    return ExitCode.OK if report["ok"] else ExitCode.FAILED
 
 
 def _manifest_create(args) -> int:
@@ -78,45 +59,50 @@ def _manifest_verify(args) -> int:
 
 
 def _read(path: str | None) -> str | None:
+    from trainer.layout.gpus import GpuFactsError
+
     if path is None:
         return None
     p = Path(path)
     if not p.is_file():
-        raise FileNotFoundError(f"{p} does not exist")
+        raise GpuFactsError(f"{p} does not exist")
     return p.read_text(errors="replace")
 
 
-def _gpu_facts(args) -> int:
-    from trainer.layout.gpus import GpuFactsError, build_facts, check_expected
+def _json(text: str, what: str):
+    from trainer.layout.gpus import GpuFactsError
 
     try:
-        query = args.query_text if args.query_text is not None else _read(args.query)
-        smi = args.smi_text if args.smi_text is not None else _read(args.smi)
-        facts = build_facts(query, smi)
-        expected = json.loads(args.expected) if args.expected else {}
-    except (GpuFactsError, FileNotFoundError, json.JSONDecodeError) as exc:
-        return _fail("gpu facts", exc)
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise GpuFactsError(f"{what}: not JSON: {exc}") from None
+
+
+def _gpu_facts(args) -> int:
+    from trainer.layout.gpus import build_facts, check_expected
+
+    query = args.query_text if args.query_text is not None else _read(args.query)
+    smi = args.smi_text if args.smi_text is not None else _read(args.smi)
+    facts = build_facts(query, smi)
+    expected = _json(args.expected, "--expected") if args.expected else {}
     facts["expected_mismatch"] = check_expected(facts, expected)
     print(json.dumps(facts, indent=1))
     return 0
 
 
 def _gpu_decide(args) -> int:
-    from trainer.layout.gpus import GpuFactsError, decide
+    from trainer.layout.gpus import decide
 
-    try:
-        facts = json.loads(_read(args.facts) or "{}")
-        gpus = facts.get("gpus", facts)
-        out = decide(gpus, args.driver_branch, args.cuda_version,
-                     secure_boot={"yes": True, "no": False}.get(args.secure_boot),
-                     toolkit_installed=args.toolkit_installed or None)
-    except (GpuFactsError, FileNotFoundError, json.JSONDecodeError) as exc:
-        return _fail("gpu decide", exc)
+    facts = _json(_read(args.facts) or "{}", args.facts)
+    gpus = facts.get("gpus", facts)
+    out = decide(gpus, args.driver_branch, args.cuda_version,
+                 secure_boot={"yes": True, "no": False}.get(args.secure_boot),
+                 toolkit_installed=args.toolkit_installed or None)
     print(json.dumps(out, indent=1))
     return 0
 
 
-def add_verbs(sub) -> None:
+def register(sub) -> None:
     p = sub.add_parser("plan", help="GPUs per target copy, data-parallel width, memory and offline/online arithmetic")
     p.add_argument("--target-config", required=True, metavar="FILE", help="the target's config.json (or its folder)")
     p.add_argument("--gpu", help="GPU kind: A100-40GB, A100-80GB, H100-80GB, H200, B200, RTX-PRO-6000-96GB")
@@ -152,7 +138,7 @@ def add_verbs(sub) -> None:
         q.add_argument("--exclude", action="append", default=[], metavar="GLOB", help="skip paths matching GLOB")
         q.add_argument("--workers", type=int, default=None, help="hashing threads (default: min(4, CPUs))")
         q.add_argument("--json", action="store_true", help="one JSON object on stdout")
-        q.set_defaults(func=_manifest, impl=impl)
+        q.set_defaults(func=impl)
 
     p = sub.add_parser("s3", help="copy a folder to S3 or from S3, every file proven by its sha256")
     ssub = p.add_subparsers(dest="s3_cmd", required=True, metavar="ACTION")

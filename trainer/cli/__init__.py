@@ -1,0 +1,61 @@
+"""`dflash <verb>`: the only way roles and people drive the package.
+
+The verbs are registered here, one module per area: `run` (preflight, train, config, summary, demo),
+`evaluate` (eval, export, regenerate), `watch` (monitor, status), `node` (plan, gpu, manifest, s3) and
+`salvage`. Each area module defines only arguments and handlers; a handler imports its implementation
+when it runs, so `dflash --help` and the light verbs start fast on a node whose GPU is busy (no
+torch/transformers/speculators import).
+
+A handler returns an `ExitCode` (or an int). An input error is a `DflashError` carrying its own exit
+code: caught once, in `main`, printed as `dflash VERB: MESSAGE`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from trainer.cli import evaluate, node, run, salvage, watch
+from trainer.errors import DflashError, ExitCode
+
+AREAS = (run, evaluate, watch, node, salvage)
+S3_LIBRARIES = ("botocore", "boto3", "s3transfer", "urllib3")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dflash", description="Online DFlash drafter training: preflight, train, inspect."
+    )
+    sub = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
+    for area in AREAS:
+        area.register(sub)
+    return parser
+
+
+def verb_name(args: argparse.Namespace) -> str:
+    """`salvage stop`, `s3 pull`, `manifest verify`, `eval`: the words a user typed, for messages."""
+    words = [args.verb]
+    for attr in ("salvage_verb", "s3_cmd", "manifest_cmd", "gpu_cmd"):
+        if getattr(args, attr, None):
+            words.append(getattr(args, attr))
+    return " ".join(words)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except DflashError as exc:
+        print(f"dflash {verb_name(args)}: {exc}", file=sys.stderr)
+        return int(exc.exit_code)
+    except Exception as exc:
+        # S3 trouble outside the per-object handling (the endpoint died while listing, say): one clear
+        # line, exit 1 (botocore's messages name the operation and the endpoint, never the credentials)
+        if type(exc).__module__.split(".")[0] not in S3_LIBRARIES:
+            raise
+        print(
+            f"dflash {verb_name(args)}: S3 failed: {type(exc).__name__}: {exc}; "
+            "nothing is marked complete: run it again",
+            file=sys.stderr,
+        )
+        return int(ExitCode.FAILED)
