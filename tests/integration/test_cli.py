@@ -1,7 +1,6 @@
 """The CLI contract: light verbs never import the heavy stack; the demo (README's main job) runs
 end to end in its shortened --tiny form (its full SmolLM2 form is `scripts/demo`)."""
 
-import json
 import subprocess
 import sys
 
@@ -12,13 +11,12 @@ from trainer.events import load_events
 ENV_PY = sys.executable
 
 
-def test_help_and_light_verbs_import_no_torch(tmp_path):
-    code = ("import sys; from trainer.cli import main\n"
+def test_help_and_config_schema(tmp_path):
+    # (that these import no torch: tests/unit/test_architecture.py)
+    code = ("from trainer.cli import main\n"
             "try:\n    main(['--help'])\nexcept SystemExit: pass\n"
-            "main(['config', '--schema'])\n"
-            "print(json.dumps(sorted(m for m in ('torch', 'transformers', 'speculators', 'datasets') if m in sys.modules)))")
-    res = subprocess.run([ENV_PY, "-c", "import json\n" + code], capture_output=True, text=True, check=True)
-    assert json.loads(res.stdout.strip().splitlines()[-1]) == []
+            "main(['config', '--schema'])\n")
+    res = subprocess.run([ENV_PY, "-c", code], capture_output=True, text=True, check=True)
     assert "preflight" in res.stdout and "train.max_tokens_per_batch" in res.stdout
 
 

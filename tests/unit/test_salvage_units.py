@@ -3,8 +3,6 @@ nvidia-smi compute-apps format, S3 addresses, the prefix table, and the light-si
 
 from __future__ import annotations
 
-import subprocess
-import sys
 
 import pytest
 
@@ -82,13 +80,3 @@ def test_prefix_table():
         {"prefix": "run/", "objects": 1, "bytes": 10},
         {"prefix": "run/checkpoints/", "objects": 2, "bytes": 200},
     ]
-
-
-def test_salvage_bookkeeping_is_light():
-    code = ("import sys\nimport trainer.cli, trainer.cli.salvage, trainer.salvage.inventory, trainer.salvage.stop, "
-            "trainer.salvage.collect, trainer.salvage.notes, trainer.s3.client, trainer.salvage.verify\n"
-            "trainer.cli.build_parser()\n"
-            "heavy = [m for m in ('torch', 'transformers', 'speculators', 'datasets', 'boto3') if m in sys.modules]\n"
-            "print(heavy)")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert res.stdout.strip() == "[]"

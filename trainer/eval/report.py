@@ -55,7 +55,7 @@ def per_prompt(results: list[PromptResult], lossless: dict[int, bool]) -> list[d
     ]
 
 
-def _fmt(x: Any, nd: int = 3) -> str:
+def fmt_number(x: Any, nd: int = 3) -> str:
     if x is None:
         return "-"
     if isinstance(x, float):
@@ -76,8 +76,8 @@ def render_markdown(rep: dict[str, Any], png_name: str | None) -> str:
         "",
         "| tau | rounds | new tokens | tokens/s | target alone tokens/s | wall s | lossless |",
         "| --- | --- | --- | --- | --- | --- | --- |",
-        (f"| **{_fmt(rep['tau'])}** | {rep['rounds']} | {rep['new_tokens']} | {_fmt(rep['tokens_per_s'], 1)} | "
-         f"{_fmt(ll.get('target_tokens_per_s'), 1)} | {_fmt(rep['wall_s'], 1)} | {verdict} ({ll['matched']}/{ll['checked']}) |"),
+        (f"| **{fmt_number(rep['tau'])}** | {rep['rounds']} | {rep['new_tokens']} | {fmt_number(rep['tokens_per_s'], 1)} | "
+         f"{fmt_number(ll.get('target_tokens_per_s'), 1)} | {fmt_number(rep['wall_s'], 1)} | {verdict} ({ll['matched']}/{ll['checked']}) |"),
         "",
     ]
     for w in rep["warnings"]:
@@ -86,7 +86,7 @@ def render_markdown(rep: dict[str, Any], png_name: str | None) -> str:
         lines.append("")
     lines += ["## Acceptance by position", "", "| slot | " + " | ".join(str(k) for k in range(1, rep["block_size"])) + " |",
               "| --- |" + " --- |" * (rep["block_size"] - 1),
-              "| accepted | " + " | ".join(_fmt(p) for p in rep["per_position_acceptance"]) + " |", ""]
+              "| accepted | " + " | ".join(fmt_number(p) for p in rep["per_position_acceptance"]) + " |", ""]
     hist = rep["acceptance_histogram"]
     lines += ["## Accepted drafts per round", "", "| accepted | " + " | ".join(hist) + " |",
               "| --- |" + " --- |" * len(hist), "| rounds | " + " | ".join(str(v) for v in hist.values()) + " |", ""]
@@ -96,7 +96,7 @@ def render_markdown(rep: dict[str, Any], png_name: str | None) -> str:
               "| --- | --- | --- | --- | --- | --- | --- |"]
     for p in rep["per_prompt"][:200]:
         mark = {True: "ok", False: "MISMATCH", None: "-"}[p["lossless"]]
-        lines.append(f"| {p['index']} | {p['prompt_tokens']} | {p['new_tokens']} | {p['rounds']} | {_fmt(p['tau'])} | "
+        lines.append(f"| {p['index']} | {p['prompt_tokens']} | {p['new_tokens']} | {p['rounds']} | {fmt_number(p['tau'])} | "
                      f"{p['stopped']} | {mark} |")
     return "\n".join(lines) + "\n"
 
@@ -124,7 +124,7 @@ def plot_report(rep: dict[str, Any], path: Path) -> None:
     slots = list(range(1, rep["block_size"]))
     a1.bar(slots, [p or 0 for p in rep["per_position_acceptance"]], color="#3b7dd8")
     a1.set(xlabel="draft slot k", ylabel="P(slot k accepted)", ylim=(0, 1), xticks=slots,
-           title=f"per-position acceptance (tau {_fmt(rep['tau'])})")
+           title=f"per-position acceptance (tau {fmt_number(rep['tau'])})")
     taus = [p["tau"] or 0 for p in rep["per_prompt"]]
     a2.bar(range(len(taus)), taus, color="#e08a2c")
     if rep["tau"]:
@@ -166,8 +166,8 @@ def render_table(reports: list[dict[str, Any]]) -> str:
     out = [head, "-" * len(head)]
     for r in reports:
         pp = r["per_position_acceptance"] + [None] * (B - r["block_size"])
-        out.append(f"{r['label']:{width}}  {_fmt(r['tau']):>6}  {_fmt(r['tokens_per_s'], 1):>8}  "
-                   + " ".join(f"{_fmt(p, 2):>5}" for p in pp))
+        out.append(f"{r['label']:{width}}  {fmt_number(r['tau']):>6}  {fmt_number(r['tokens_per_s'], 1):>8}  "
+                   + " ".join(f"{fmt_number(p, 2):>5}" for p in pp))
     return "\n".join(out)
 
 

@@ -16,7 +16,7 @@ import torch
 from trainer.eval import prompts as P
 from trainer.eval.report import (
     REPORT_SCHEMA_VERSION,
-    _fmt,
+    fmt_number,
     aggregate,
     per_prompt,
     render_table,
@@ -245,9 +245,9 @@ def run_eval(opts: EvalOptions) -> int:
     if len(reports) == 1:
         paths = write_report(reports[0], out)
         r = reports[0]
-        print(f"tau {_fmt(r['tau'])} over {r['rounds']} rounds (block {r['block_size']}), "
-              f"{_fmt(r['tokens_per_s'], 1)} tokens/s; per position "
-              + " ".join(_fmt(p, 2) for p in r["per_position_acceptance"]))
+        print(f"tau {fmt_number(r['tau'])} over {r['rounds']} rounds (block {r['block_size']}), "
+              f"{fmt_number(r['tokens_per_s'], 1)} tokens/s; per position "
+              + " ".join(fmt_number(p, 2) for p in r["per_position_acceptance"]))
     else:
         paths = write_comparison(reports, out)
         print(render_table(reports))

@@ -1,0 +1,132 @@
+"""The layering rules of the package, checked on the code itself.
+
+- The light side (the CLI, config, events, manifest, layout, monitor, S3, salvage bookkeeping) imports
+  no torch, transformers, speculators, datasets or boto3: `dflash --help`, `monitor`, `plan`,
+  `manifest` start in well under a second on a node whose GPU is busy. Each module is imported alone in
+  a fresh interpreter, so one module cannot hide another's heavy import.
+- No module imports another module's private (`_underscore`) names: what is shared gets a public name
+  in one home.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+HEAVY = ("torch", "transformers", "speculators", "datasets", "boto3")
+
+LIGHT = (
+    "trainer.cli",
+    "trainer.cli.evaluate",
+    "trainer.cli.node",
+    "trainer.cli.run",
+    "trainer.cli.salvage",
+    "trainer.cli.watch",
+    "trainer.config",
+    "trainer.errors",
+    "trainer.events",
+    "trainer.fsutil",
+    "trainer.manifest",
+    "trainer.target",
+    "trainer.checkpoint",
+    "trainer.preflight",
+    "trainer.layout.gpus",
+    "trainer.layout.plan",
+    "trainer.layout.sizing",
+    "trainer.monitor.alerts",
+    "trainer.monitor.metrics",
+    "trainer.monitor.runs",
+    "trainer.monitor.server",
+    "trainer.monitor.state",
+    "trainer.monitor.status",
+    "trainer.monitor.summary",
+    "trainer.s3.client",
+    "trainer.s3.pull",
+    "trainer.s3.push",
+    "trainer.salvage.collect",
+    "trainer.salvage.inventory",
+    "trainer.salvage.notes",
+    "trainer.salvage.stop",
+    "trainer.salvage.verify",
+    "trainer.demo.smollm",
+)
+# what the roles call on a bare node before anything else is installed: not even numpy
+BARE = ("trainer.cli", "trainer.config", "trainer.errors", "trainer.events", "trainer.manifest", "trainer.target",
+        "trainer.layout.gpus", "trainer.layout.plan", "trainer.layout.sizing", "trainer.cli.node")
+
+
+@pytest.mark.parametrize("module", LIGHT)
+def test_light_module_imports_no_heavy_stack(module):
+    forbidden = (*HEAVY, "numpy") if module in BARE else HEAVY
+    code = (
+        f"import json, sys, {module} as m\n"
+        "getattr(m, 'build_parser', lambda: None)()\n"  # the CLI: every verb's arguments registered
+        f"print(json.dumps(sorted(x for x in {forbidden!r} if x in sys.modules)))"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=False)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert json.loads(res.stdout.strip().splitlines()[-1]) == [], f"{module} imports a heavy module"
+
+
+def _python_files() -> list[Path]:
+    return sorted(p for top in ("trainer", "tests", "bench") for p in (ROOT / top).rglob("*.py"))
+
+
+def _module_of(path: Path) -> str:
+    if not path.is_relative_to(ROOT):
+        return ""
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_module(dotted: str) -> bool:
+    base = ROOT.joinpath(*dotted.split("."))
+    return base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def private_imports(path: Path) -> list[str]:
+    """`from trainer.x import _y`, and `m._y` where `m` names a trainer module imported here."""
+    here = _module_of(path)
+    label = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found: list[str] = []
+    modules: dict[str, str] = {}  # local name -> trainer module it is bound to
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "trainer":
+            for alias in node.names:
+                if node.module != here and _private(alias.name):
+                    found.append(f"{label}:{node.lineno}: from {node.module} import {alias.name}")
+                if _is_module(f"{node.module}.{alias.name}"):
+                    modules[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "trainer" and alias.asname:
+                    modules[alias.asname] = alias.name
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules
+                and _private(node.attr) and modules[node.value.id] != here):
+            found.append(f"{label}:{node.lineno}: {modules[node.value.id]}.{node.attr}")
+    return found
+
+
+def test_no_module_imports_another_modules_private_names():
+    found = [hit for p in _python_files() for hit in private_imports(p)]
+    assert found == [], "private names used outside their module:\n" + "\n".join(found)
+
+
+def test_the_private_name_check_sees_both_forms(tmp_path):
+    # the check itself must be able to fail: both spellings of a private import are found
+    probe = tmp_path / "probe.py"
+    probe.write_text("from trainer.manifest import _excluded\nimport trainer.fsutil as f\nf._hidden()\n")
+    hits = private_imports(probe)
+    assert len(hits) == 2 and "trainer.manifest import _excluded" in hits[0] and "trainer.fsutil._hidden" in hits[1]
