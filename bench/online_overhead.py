@@ -57,7 +57,8 @@ def part_a(target: Path, tokens: int, reps: int, work: Path) -> dict:
 
     from trainer.config import config_from_dict
     from trainer.events import EventWriter
-    from trainer.training.loop import Dist, Trainer
+    from trainer.training.distributed import Dist
+    from trainer.training.loop import Trainer
 
     vocab = json.loads((target / "config.json").read_text())["vocab_size"]
     data = make_dataset(work / "data", vocab, tokens)

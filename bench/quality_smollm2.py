@@ -6,7 +6,7 @@ trainer.demo.smollm); prompts built from Python standard-library docstrings (tex
 the target regenerates the responses (`dflash regenerate`, chat template); `dflash train` runs for a
 bounded CPU time (SIGTERM at the bound: the trainer writes a final checkpoint); `dflash eval` compares
 the untrained and the trained drafter on held-out prompts. Prints tau before/after, per-position
-acceptance and the wall time of each phase. Goal of issue #3: tau >= 2.0 at block size 8 within
+acceptance and the wall time of each phase. Goal: tau >= 2.0 at block size 8 within
 60 CPU-minutes.
 
     .venv/bin/python bench/quality_smollm2.py --out runs/quality --train-minutes 30

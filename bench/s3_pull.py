@@ -6,7 +6,7 @@ bytes fetched again after a pull killed at 50 %.
 
 verified = `dflash s3 pull` into an empty folder: manifest read, object sizes checked, each file into
 `.s3-partial/`, hashed, renamed. plain = boto3's `download_file` of every object (the transfer manager,
-the same worker count), no hashing. Goals (issue #5, the same as for rsync in bench/sync.py): throughput
+the same worker count), no hashing. Goals (the same as for rsync in bench/sync.py): throughput
 ratio verified/plain >= 0.8; after a kill at 50 %, the re-run fetches <= 10 % of the set beyond what was
 missing.
 """

@@ -6,7 +6,7 @@ re-sent after a transfer killed at 50 %.
 
 verified = what the role runs: `dflash manifest create --reuse` on the source (its digests cached from an
 earlier create, as on a controller that already holds the data), rsync --partial --partial-dir, then
-`dflash manifest verify` on the destination. plain = `rsync -a` alone. Goals (issue #5): throughput ratio
+`dflash manifest verify` on the destination. plain = `rsync -a` alone. Goals: throughput ratio
 verified/plain >= 0.8; after a kill at 50 %, the re-run sends <= 10 % of the set beyond what was missing.
 """
 

@@ -58,7 +58,7 @@ def make_config(tiny_target, tiny_data, tmp_path):
     return make
 
 
-# ---------------------------------------------------------------- fixtures of issue #3 (eval, export, regenerate)
+# ---------------------------------------------------------------- fixtures of eval, export and regenerate
 def tiny_prompts(count: int, seed: int = 0) -> list[list[int]]:
     """The prompts `tiny_data` is made of (seed 0): random ids of the tiny vocabulary."""
     rng = np.random.default_rng(seed)

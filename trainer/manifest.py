@@ -3,7 +3,7 @@
 `dflash manifest create DIR -o MANIFEST` records every regular file under DIR (relative path, size,
 sha256, mtime) and every symlink (its target); `dflash manifest verify DIR MANIFEST` re-hashes DIR and
 names every missing, differing and (as a note, or an error with --strict) extra file. Used by the
-data_sync role after rsync and by salvage (#6). Light side: stdlib + fsutil only, no torch.
+data_sync role after rsync and by salvage. Light side: stdlib + fsutil only, no torch.
 
 Format (JSON, `manifest_version` 1)::
 

@@ -93,7 +93,7 @@ def make_backend(name: str, target_dir: Path, stop_ids: list[int], device: str =
     if name == "transformers":
         return TransformersBackend(target_dir, stop_ids, device, pad_id)
     if name == "vllm":
-        raise RegenerateError("--backend vllm is not available yet (it lands with a later issue); use transformers")
+        raise RegenerateError("--backend vllm is not available yet; use transformers")
     raise RegenerateError(f"--backend {name!r}: choose one of {', '.join(BACKENDS)}")
 
 

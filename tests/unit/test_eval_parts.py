@@ -101,7 +101,7 @@ def test_markdown_and_table_render_the_figures():
     assert lines[3].split() == ["other", "1.250", "10.0", "0.25", "-"]
 
 
-def test_cli_parses_the_issue3_verbs_and_stays_light():
+def test_cli_parses_the_eval_export_and_regenerate_verbs():
 
     from trainer.cli import build_parser
 
