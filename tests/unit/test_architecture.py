@@ -50,6 +50,7 @@ LIGHT = (
     "trainer.s3.pull",
     "trainer.s3.push",
     "trainer.salvage.collect",
+    "trainer.salvage.facts",
     "trainer.salvage.inventory",
     "trainer.salvage.notes",
     "trainer.salvage.stop",
