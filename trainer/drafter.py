@@ -74,6 +74,28 @@ def build_drafter(cfg: RunConfig, device: torch.device, head_dtype: torch.dtype 
     return model.to(device)
 
 
+def load_sdpa_drafter(folder: Path, config, **from_pretrained):
+    """`DFlashDraftModel.from_pretrained(folder, config=config, **from_pretrained)` with sdpa attention
+    throughout, for inference (eval, export, salvage's CPU forward).
+
+    A reloaded drafter otherwise comes back with flex attention (speculators' default), which CPU
+    lacks and the eval harness does not use: `config` is set to sdpa before the layers are built,
+    and the model's attention choice, its mask function and every layer's config are set to sdpa
+    again after loading. Returns what from_pretrained returns ((model, info) with
+    `output_loading_info=True`)."""
+    from speculators.models.dflash import DFlashDraftModel
+    from torch.nn.attention.flex_attention import create_mask
+
+    config.transformer_layer_config._attn_implementation = "sdpa"
+    loaded = DFlashDraftModel.from_pretrained(str(folder), config=config, **from_pretrained)
+    model = loaded[0] if from_pretrained.get("output_loading_info") else loaded
+    model._attn_impl = "sdpa"
+    model._create_mask_fn = create_mask
+    for layer in model.layers:
+        layer.self_attn.config._attn_implementation = "sdpa"
+    return loaded
+
+
 def share_frozen_head(model) -> bool:
     """With the full vocabulary, speculators loads the target's lm_head into both lm_head and
     verifier_lm_head, both frozen and neither saved: one tensor serves both (saves vocab x hidden
@@ -99,11 +121,15 @@ def load_trainable_weights(model, path: Path) -> None:
     want = trainable_state(model)
     missing = sorted(set(want) - set(tensors))
     if missing:
-        raise ValueError(f"{path}: missing trainable tensors {missing[:5]}{'...' if len(missing) > 5 else ''}")
+        raise ValueError(
+            f"{path}: missing trainable tensors {missing[:5]}{'...' if len(missing) > 5 else ''}"
+        )
     for name, param in want.items():
         src = tensors[name]
         if tuple(src.shape) != tuple(param.shape):
-            raise ValueError(f"{path}: {name} has shape {tuple(src.shape)}, the drafter needs {tuple(param.shape)}")
+            raise ValueError(
+                f"{path}: {name} has shape {tuple(src.shape)}, the drafter needs {tuple(param.shape)}"
+            )
         with torch.no_grad():
             param.copy_(src.to(param.dtype))
 

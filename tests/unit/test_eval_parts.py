@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.eval.harness import PromptResult, _finish
+from trainer.eval.harness import PromptResult, finish_generation
 from trainer.eval.prompts import PromptError, TemplateSettings, read_prompt_file, resolve_settings
 from trainer.eval.report import aggregate, render_markdown, render_table
 from trainer.regenerate import cut_response, plan_batches
@@ -66,9 +66,9 @@ def test_aggregate_tau_positions_histogram():
 
 
 def test_finish_truncates_at_length_and_after_stop_token():
-    assert _finish([1, 2, 3, 4], 3, set()) == ([1, 2, 3], "length")
-    assert _finish([1, 9, 3, 9], 10, {9}) == ([1, 9], "stop_token")
-    assert _finish([1, 2, 3, 9], 3, {9}) == ([1, 2, 3], "length")
+    assert finish_generation([1, 2, 3, 4], 3, set()) == ([1, 2, 3], "length")
+    assert finish_generation([1, 9, 3, 9], 10, {9}) == ([1, 9], "stop_token")
+    assert finish_generation([1, 2, 3, 9], 3, {9}) == ([1, 2, 3], "length")
 
 
 def test_plan_batches_and_cut_response():

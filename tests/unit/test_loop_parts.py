@@ -5,12 +5,15 @@ import time
 import torch
 
 from trainer.config import load_config
-from trainer.training.loop import StallWatchdog, lr_lambda
+from trainer.training.shutdown import StallWatchdog
+from trainer.training.state import lr_lambda
 
 
 def test_stall_watchdog_warns_once_per_stall_and_rearms():
     seen = []
-    wd = StallWatchdog(lambda step, waited, thr: seen.append((step, waited, thr)), factor=5, min_s=0.05, poll_s=0.01)
+    wd = StallWatchdog(
+        lambda step, waited, thr: seen.append((step, waited, thr)), factor=5, min_s=0.05, poll_s=0.01
+    )
     wd.start()
     for step in range(1, 6):  # steady steps of ~10 ms
         time.sleep(0.01)

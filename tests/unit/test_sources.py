@@ -31,7 +31,7 @@ def test_hooked_capture_equals_output_hidden_states_and_norm_input(tiny_target, 
     h.remove()
     H = src.hidden_size
     for j, k in enumerate(AUX):
-        torch.testing.assert_close(cap.aux[..., j * H:(j + 1) * H], out.hidden_states[k], rtol=0, atol=0)
+        torch.testing.assert_close(cap.aux[..., j * H : (j + 1) * H], out.hidden_states[k], rtol=0, atol=0)
     torch.testing.assert_close(cap.last, seen["x"], rtol=0, atol=0)
     # transformers' last hidden_states entry is post-norm: ours is its input
     torch.testing.assert_close(full_model.model.norm(cap.last), out.hidden_states[-1], rtol=0, atol=0)

@@ -53,7 +53,9 @@ def draft_to_target_ids(drafter, ids: torch.Tensor) -> torch.Tensor:
     return ids
 
 
-def sliding_mask(drafter, layer_idx: int, ctx_len: int, block: int, anchor_pos: int, device) -> torch.Tensor | None:
+def sliding_mask(
+    drafter, layer_idx: int, ctx_len: int, block: int, anchor_pos: int, device
+) -> torch.Tensor | None:
     """The boolean attention mask [1, 1, B, ctx_len + B] of draft layer `layer_idx` for a block at
     `anchor_pos` whose context holds positions 0..ctx_len-1 (= 0..anchor_pos-1); None for a
     full-attention layer."""
@@ -89,7 +91,9 @@ class CachedDrafter:
         m, B, dev = self.m, self.block, new_feats.device
         n_new = new_feats.shape[1]
         if self.ctx_len + n_new != anchor_pos:
-            raise RuntimeError(f"drafter context {self.ctx_len}+{n_new} does not end before anchor {anchor_pos}")
+            raise RuntimeError(
+                f"drafter context {self.ctx_len}+{n_new} does not end before anchor {anchor_pos}"
+            )
         target_hidden = m.hidden_norm(m.fc(new_feats))
         block_ids = torch.full((1, B), m.mask_token_id, dtype=torch.long, device=dev)
         block_ids[0, 0] = anchor_token
@@ -99,8 +103,13 @@ class CachedDrafter:
         for i, layer in enumerate(m.layers):
             mask = sliding_mask(m, i, anchor_pos, B, anchor_pos, dev)
             noise = layer(
-                hidden_states=noise, target_hidden=target_hidden, attention_mask=mask, position_ids=positions,
-                past_key_value=self.cache, use_cache=True, position_embeddings=pos_emb,
+                hidden_states=noise,
+                target_hidden=target_hidden,
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_value=self.cache,
+                use_cache=True,
+                position_embeddings=pos_emb,
             )
         self.ctx_len = anchor_pos
         crop_cache(self.cache, self.ctx_len)  # keep the context, drop the block
@@ -112,7 +121,9 @@ class CachedDrafter:
         return draft_to_target_ids(self.m, logits.argmax(-1)).tolist()
 
 
-def _finish(tokens: list[int], max_new: int, stop_ids: set[int]) -> tuple[list[int], str]:
+def finish_generation(tokens: list[int], max_new: int, stop_ids: set[int]) -> tuple[list[int], str]:
+    """The committed tokens cut at `max_new` and after the first stop token, and why it ended
+    ("stop_token" or "length")."""
     out = tokens[:max_new]
     for i, t in enumerate(out):
         if t in stop_ids:
@@ -120,13 +131,20 @@ def _finish(tokens: list[int], max_new: int, stop_ids: set[int]) -> tuple[list[i
     return out, "length"
 
 
-def _done(tokens: list[int], max_new: int, stop_ids: set[int]) -> bool:
+def generation_done(tokens: list[int], max_new: int, stop_ids: set[int]) -> bool:
+    """`max_new` tokens are committed, or a stop token is."""
     return len(tokens) >= max_new or any(t in stop_ids for t in tokens)
 
 
 @torch.no_grad()
-def speculate(target: HookedTarget, drafter, prompt: list[int], max_new: int, block_size: int,
-              stop_ids: set[int] = frozenset()) -> PromptResult:
+def speculate(
+    target: HookedTarget,
+    drafter,
+    prompt: list[int],
+    max_new: int,
+    block_size: int,
+    stop_ids: set[int] = frozenset(),
+) -> PromptResult:
     """One prompt through the cached loop."""
     t0 = time.perf_counter()
     dev = target.device
@@ -137,7 +155,7 @@ def speculate(target: HookedTarget, drafter, prompt: list[int], max_new: int, bl
     draft = CachedDrafter(drafter, block_size)
     accepted: list[int] = []
     n = len(prompt)  # position of the current anchor
-    while not _done(tokens, max_new, stop_ids):
+    while not generation_done(tokens, max_new, stop_ids):
         anchor = tokens[-1]
         drafts = draft.propose(pending.to(dev), anchor, n)
         block = torch.tensor([[anchor, *drafts]], dtype=torch.long, device=dev)
@@ -151,22 +169,23 @@ def speculate(target: HookedTarget, drafter, prompt: list[int], max_new: int, bl
         pending = feats[:, : acc + 1]  # anchor + accepted drafts: positions n..n+acc
         n += acc + 1
         crop_cache(tcache, n)
-    out, why = _finish(tokens, max_new, stop_ids)
+    out, why = finish_generation(tokens, max_new, stop_ids)
     return PromptResult(len(prompt), out, accepted, time.perf_counter() - t0, why)
 
 
 @torch.no_grad()
-def target_greedy(target: HookedTarget, prompt: list[int], max_new: int,
-                  stop_ids: set[int] = frozenset()) -> tuple[list[int], float]:
+def target_greedy(
+    target: HookedTarget, prompt: list[int], max_new: int, stop_ids: set[int] = frozenset()
+) -> tuple[list[int], float]:
     """The target's own greedy decoding, one token per forward on its KV cache: the lossless check's
     ground truth and the speed baseline. Returns (tokens, seconds)."""
     t0 = time.perf_counter()
     ids = torch.tensor([prompt], dtype=torch.long, device=target.device)
     out = target.model(input_ids=ids, use_cache=True)
     tokens = [int(out.logits[0, -1].argmax())]
-    while not _done(tokens, max_new, stop_ids):
+    while not generation_done(tokens, max_new, stop_ids):
         nxt = torch.tensor([[tokens[-1]]], dtype=torch.long, device=target.device)
         out = target.model(input_ids=nxt, past_key_values=out.past_key_values, use_cache=True)
         tokens.append(int(out.logits[0, -1].argmax()))
-    tokens, _ = _finish(tokens, max_new, stop_ids)
+    tokens, _ = finish_generation(tokens, max_new, stop_ids)
     return tokens, time.perf_counter() - t0

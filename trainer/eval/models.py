@@ -2,8 +2,8 @@
 
 - `HookedTarget`: the target as a causal LM (logits to verify with, its own KV cache) with forward
   hooks at the aux layers, so every verify forward also yields the drafter's context features.
-  Aux id k follows speculators' convention (trainer.sources.hooked): the output of decoder layer
-  k-1, id 0 the embeddings.
+  Aux id k follows speculators' convention (`trainer.sources.hooked.aux_module`): the output of
+  decoder layer k-1, id 0 the embeddings.
 - `load_drafter`: a speculators DFlash checkpoint (or a z-lab/SpecForge-format one, converted by
   speculators' converter) with the embedding, heads and final norm taken from `--target`, and sdpa
   attention (a reloaded drafter comes back with flex attention, which the harness does not use).
@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-from trainer.errors import DflashError
 import json
 import logging
 import tempfile
@@ -19,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from trainer.sources.hooked import _base_model, resolve_dtype
+from trainer.errors import DflashError
+from trainer.sources.hooked import aux_module, base_model, resolve_dtype
 
 
 class ModelError(DflashError, ValueError):
@@ -38,7 +38,7 @@ class HookedTarget:
             str(target_dir), dtype=self.dtype, attn_implementation="sdpa"
         ).to(self.device)
         self.model.eval().requires_grad_(False)
-        self.base = _base_model(self.model)
+        self.base = base_model(self.model)
         self.num_layers = len(self.base.layers)
         self.aux_ids = list(aux_ids)
         bad = [k for k in self.aux_ids if not 0 <= k <= self.num_layers]
@@ -46,7 +46,7 @@ class HookedTarget:
             raise ModelError(f"drafter aux ids {bad} are outside the target's depth [0, {self.num_layers}]")
         self._store: dict[int, torch.Tensor] = {}
         for k in sorted(set(self.aux_ids)):
-            module = self.base.embed_tokens if k == 0 else self.base.layers[k - 1]
+            module = aux_module(self.base, k)
             module.register_forward_hook(self._hook(k))
 
     def _hook(self, key: int):
@@ -105,9 +105,13 @@ def speculators_folder(drafter: Path, target_dir: Path, convert_dir: Path | None
         return folder
     out = Path(convert_dir or tempfile.mkdtemp(prefix="dflash-converted-"))
     try:
-        return Path(maybe_convert_external_checkpoint(str(folder), verifier=str(target_dir), output_path=str(out)))
+        return Path(
+            maybe_convert_external_checkpoint(str(folder), verifier=str(target_dir), output_path=str(out))
+        )
     except NotImplementedError as exc:
-        raise ModelError(f"--drafter {folder}: neither a speculators checkpoint nor a known format ({exc})") from None
+        raise ModelError(
+            f"--drafter {folder}: neither a speculators checkpoint nor a known format ({exc})"
+        ) from None
 
 
 def aux_ids_of(folder: Path) -> list[int]:
@@ -117,21 +121,16 @@ def aux_ids_of(folder: Path) -> list[int]:
 def load_drafter(folder: Path, target_dir: Path, device: torch.device):
     """The drafter of a speculators folder (see speculators_folder) for inference: fp32 on
     `device`, sdpa attention, embedding/heads/final norm read from `target_dir`."""
-    from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
+    from speculators.models.dflash import DFlashSpeculatorConfig
+
+    from trainer.drafter import load_sdpa_drafter
 
     logging.getLogger("speculators").setLevel(logging.WARNING)
     folder = Path(folder)
     config = DFlashSpeculatorConfig.from_pretrained(str(folder))
     _check_pair(config, folder, Path(target_dir))
     config.speculators_config.verifier.name_or_path = str(target_dir)
-    config.transformer_layer_config._attn_implementation = "sdpa"
-    model = DFlashDraftModel.from_pretrained(str(folder), config=config)
-    model._attn_impl = "sdpa"
-    from torch.nn.attention.flex_attention import create_mask
-
-    model._create_mask_fn = create_mask
-    for layer in model.layers:
-        layer.self_attn.config._attn_implementation = "sdpa"
+    model = load_sdpa_drafter(folder, config)
     return model.float().to(device).eval().requires_grad_(False)
 
 
@@ -144,10 +143,12 @@ def _check_pair(config, folder: Path, target_dir: Path) -> None:
     tl = config.transformer_layer_config
     if int(tl.hidden_size) != int(tcfg["hidden_size"]):
         raise ModelError(
-            f"{folder}: drafter hidden size {tl.hidden_size} != target {target_dir} hidden size {tcfg['hidden_size']}: "
-            "this drafter was trained for another target"
+            f"{folder}: drafter hidden size {tl.hidden_size} != target {target_dir} hidden size "
+            f"{tcfg['hidden_size']}: this drafter was trained for another target"
         )
     if int(tl.vocab_size) != int(tcfg["vocab_size"]):
-        raise ModelError(f"{folder}: drafter vocabulary {tl.vocab_size} != target vocabulary {tcfg['vocab_size']}")
+        raise ModelError(
+            f"{folder}: drafter vocabulary {tl.vocab_size} != target vocabulary {tcfg['vocab_size']}"
+        )
     if config.mask_token_id is None:
         raise ModelError(f"{folder}: config.json has no mask_token_id")

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from trainer.eval.harness import PromptResult, _done, _finish, draft_to_target_ids
+from trainer.eval.harness import PromptResult, draft_to_target_ids, finish_generation, generation_done
 
 
 class ReferenceTarget:
@@ -48,7 +48,9 @@ class ReferenceTarget:
 
 
 @torch.no_grad()
-def training_path_logits(drafter, feats: torch.Tensor, seq: list[int], anchor_pos: int, block_size: int) -> torch.Tensor:
+def training_path_logits(
+    drafter, feats: torch.Tensor, seq: list[int], anchor_pos: int, block_size: int
+) -> torch.Tensor:
     """Logits of slots 1..B-1 ([B-1, V]) of the block at `anchor_pos` from speculators' training
     forward; `feats` must cover positions 0..anchor_pos-1 (later ones are never visible)."""
     dev = feats.device
@@ -67,8 +69,13 @@ def training_path_logits(drafter, feats: torch.Tensor, seq: list[int], anchor_po
     drafter.block_size = B  # an eval may use a smaller (or larger) block than the drafter's config
     try:
         _, logits, _, _, idx = drafter._backbone_forward(
-            hidden, input_ids, loss_mask, last, torch.zeros(1, T, dtype=torch.long, device=dev),
-            torch.arange(T, device=dev).unsqueeze(0), max_anchors=1,
+            hidden,
+            input_ids,
+            loss_mask,
+            last,
+            torch.zeros(1, T, dtype=torch.long, device=dev),
+            torch.arange(T, device=dev).unsqueeze(0),
+            max_anchors=1,
         )
     finally:
         drafter.block_size = trained_block
@@ -77,20 +84,28 @@ def training_path_logits(drafter, feats: torch.Tensor, seq: list[int], anchor_po
     return logits[0, 1:]
 
 
-def training_path_block(drafter, feats: torch.Tensor, seq: list[int], anchor_pos: int, block_size: int) -> list[int]:
+def training_path_block(
+    drafter, feats: torch.Tensor, seq: list[int], anchor_pos: int, block_size: int
+) -> list[int]:
     """Draft tokens for the block at `anchor_pos` from speculators' training forward."""
     logits = training_path_logits(drafter, feats, seq, anchor_pos, block_size)
     return draft_to_target_ids(drafter, logits.argmax(-1)).tolist()
 
 
 @torch.no_grad()
-def speculate_reference(target: ReferenceTarget, drafter, prompt: list[int], max_new: int, block_size: int,
-                        stop_ids: set[int] = frozenset()) -> PromptResult:
+def speculate_reference(
+    target: ReferenceTarget,
+    drafter,
+    prompt: list[int],
+    max_new: int,
+    block_size: int,
+    stop_ids: set[int] = frozenset(),
+) -> PromptResult:
     t0 = time.perf_counter()
     greedy, _ = target.run(prompt)
     seq = list(prompt) + [greedy[-1]]
     accepted: list[int] = []
-    while not _done(seq[len(prompt):], max_new, stop_ids):
+    while not generation_done(seq[len(prompt) :], max_new, stop_ids):
         anchor_pos = len(seq) - 1
         _, feats = target.run(seq)
         drafts = training_path_block(drafter, feats, seq, anchor_pos, block_size)
@@ -99,5 +114,5 @@ def speculate_reference(target: ReferenceTarget, drafter, prompt: list[int], max
         acc = next((i for i in range(block_size - 1) if drafts[i] != verdict[i]), block_size - 1)
         accepted.append(acc)
         seq += drafts[:acc] + [verdict[acc]]
-    out, why = _finish(seq[len(prompt):], max_new, stop_ids)
+    out, why = finish_generation(seq[len(prompt) :], max_new, stop_ids)
     return PromptResult(len(prompt), out, accepted, time.perf_counter() - t0, why)

@@ -15,6 +15,7 @@ from typing import Any
 
 from trainer.fsutil import atomic_write_text
 from trainer.salvage import NOTES_NAME, REPORT_NAME, STATE_DIR, SalvageError
+from trainer.salvage.verify import load_lines
 
 STEPS = ("inventory", "stop", "collect", "push", "verify")
 
@@ -177,14 +178,7 @@ def render_notes(set_dir: Path, steps: dict[str, Any]) -> str:
                  "JSON/YAML/safetensors headers parsed; each checkpoint verified its SHA256SUMS, loaded in "
                  "speculators and ran one forward on CPU; each dataset was loaded and run through the data gate.")
         L.append("")
-        load = ver.get("load") or {}
-        for c, r in load.get("checkpoints", {}).items():
-            L.append(f"- `{c}`: {'OK' if r['ok'] else 'FAILED'}: {r.get('how') or r.get('why')}")
-        for d, r in load.get("datasets", {}).items():
-            L.append(f"- `{d}`: data gate **{r.get('verdict', 'not run')}**: {r.get('figures') or r.get('why')}")
-            for e in r.get("errors", []):
-                L.append(f"    - [{e['code']}] {e['message']}")
-                L.append(f"      fix: {e['fix']}")
+        L += load_lines(ver.get("load") or {}, markdown=True)
         L += ["", "Inventory of the prefix:", "", "| prefix | objects | bytes |", "| --- | --- | --- |"]
         for row in ver.get("inventory", []):
             L.append(f"| {row['prefix']} | {row['objects']} | {row['bytes']:,} |")

@@ -6,7 +6,7 @@
    sha256 and size (the listing is never trusted); the object's sha256 metadata agrees too.
 3. Loadability of what was read back: JSON/JSONL/YAML files parse, every safetensors header parses and
    covers its file, every checkpoint verifies its SHA256SUMS, loads in speculators and runs one forward
-   on CPU with a finite loss, every tokenized dataset loads and passes #2's data gate.
+   on CPU with a finite loss, every tokenized dataset loads and passes the data gate.
 
 `ok` (exit 0) only when all of it holds; the report's summary lines come first and name every
 missing, differing or unloadable key. Light side until the loadability checks, which import torch,
@@ -83,7 +83,7 @@ def check_text_files(root: Path, rels: list[str]) -> tuple[list[dict[str, str]],
     """Parse JSON / JSONL / YAML / safetensors headers. (failures, warnings)."""
     import yaml
 
-    from trainer.preflight import SafetensorsError, read_safetensors_header
+    from trainer.target import SafetensorsError, read_safetensors_header
 
     failures, warnings = [], []
     for rel in rels:
@@ -137,11 +137,13 @@ def _load_and_forward(folder: Path, target: Path | None) -> dict[str, Any]:
 
     import torch
 
-    from trainer.preflight import read_safetensors_header
+    from trainer.target import read_safetensors_header
 
     read_safetensors_header(folder / "model.safetensors")  # a clear message for a truncated file
     from speculators.losses import resolve_loss_config
-    from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
+    from speculators.models.dflash import DFlashSpeculatorConfig
+
+    from trainer.drafter import load_sdpa_drafter
 
     logging.getLogger("speculators").setLevel(logging.WARNING)
     try:
@@ -155,21 +157,14 @@ def _load_and_forward(folder: Path, target: Path | None) -> dict[str, Any]:
     verifier = target if target is not None else (Path(recorded) if recorded else None)
     have_verifier = verifier is not None and (verifier / "config.json").is_file()
     config.speculators_config.verifier.name_or_path = str(verifier) if have_verifier else None
-    config.transformer_layer_config._attn_implementation = "sdpa"  # CPU: no flex attention
-    with warnings.catch_warnings():
+    with warnings.catch_warnings():  # sdpa attention: CPU has no flex attention
         warnings.simplefilter("ignore")
-        model, info = DFlashDraftModel.from_pretrained(str(folder), config=config, output_loading_info=True)
+        model, info = load_sdpa_drafter(folder, config, output_loading_info=True)
     bad = {k: sorted(v) for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
     if bad:
         raise ValueError(f"weights do not match the architecture: {bad}")
     if have_verifier:
         model.load_verifier_weights()
-    model._attn_impl = "sdpa"
-    from torch.nn.attention.flex_attention import create_mask
-
-    model._create_mask_fn = create_mask
-    for layer in model.layers:
-        layer.self_attn.config._attn_implementation = "sdpa"
     placeholders = []
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -225,14 +220,15 @@ def _gate_config(root: Path, dataset: str, manifest: dict[str, Any]):
 
 
 def check_dataset(root: Path, dataset: str, manifest: dict[str, Any]) -> dict[str, Any]:
-    """Load a tokenized dataset and run #2's data gate on it (the gate's own verdict and codes)."""
-    from trainer.preflight import PreflightReport, _data_gate
+    """Load a tokenized dataset and run the data gate on it (the gate's own verdict and codes)."""
+    from trainer.preflight.data import data_gate
+    from trainer.preflight.report import PreflightReport
 
     cfg, err = _gate_config(root, dataset, manifest)
     if cfg is None:
         return {"ok": False, "loads": False, "why": f"no usable run config for the data gate: {err}"}
     report = PreflightReport()
-    _data_gate(cfg, None, report)  # target=None: token ids are checked by preflight on the node
+    data_gate(cfg, None, report)  # target=None: token ids are checked by preflight on the node
     errors = [p.to_dict() for p in report.errors]
     d = report.data
     loads = bool(d)
@@ -451,11 +447,24 @@ def render(report: dict[str, Any]) -> str:
     lines.append("")
     lines.append("inventory of " + report["where"] + ":")
     lines += ["  " + x for x in render_table(report.get("inventory", []))]
-    load = report.get("load") or {}
-    for c, r in load.get("checkpoints", {}).items():
-        lines.append(f"  checkpoint {c}: {'OK' if r['ok'] else 'FAILED'}: {r.get('how') or r.get('why')}")
-    for d, r in load.get("datasets", {}).items():
-        lines.append(f"  dataset {d}: data gate {r.get('verdict', 'not run')}: {r.get('figures') or r.get('why')}")
-        for e in r.get("errors", []):
-            lines.append(f"    [{e['code']}] {e['message']}")
+    lines += load_lines(report.get("load") or {}, markdown=False)
     return "\n".join(lines)
+
+
+def load_lines(load: dict[str, Any], markdown: bool) -> list[str]:
+    """One line per checkpoint and dataset the load checks saw, and each data-gate error under its
+    dataset: as terminal text, or as a markdown list (NOTES.md, with each error's fix)."""
+    q = "`" if markdown else ""
+    lines = []
+    for c, r in load.get("checkpoints", {}).items():
+        head = f"- {q}{c}{q}" if markdown else f"  checkpoint {c}"
+        lines.append(f"{head}: {'OK' if r['ok'] else 'FAILED'}: {r.get('how') or r.get('why')}")
+    for d, r in load.get("datasets", {}).items():
+        verdict = r.get("verdict", "not run")
+        head = f"- `{d}`: data gate **{verdict}**" if markdown else f"  dataset {d}: data gate {verdict}"
+        lines.append(f"{head}: {r.get('figures') or r.get('why')}")
+        for e in r.get("errors", []):
+            lines.append(f"    {'- ' if markdown else ''}[{e['code']}] {e['message']}")
+            if markdown:
+                lines.append(f"      fix: {e['fix']}")
+    return lines

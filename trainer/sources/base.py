@@ -15,8 +15,8 @@ if TYPE_CHECKING:  # the light side stays importable without torch
 class Captured:
     """What one target forward yields for the drafter (all on the drafter's device)."""
 
-    aux: "torch.Tensor"  # [1, T, n_aux * H]: aux layers concatenated in aux_ids order
-    last: "torch.Tensor"  # [1, T, H]: the verifier's last hidden state, BEFORE the final norm
+    aux: torch.Tensor  # [1, T, n_aux * H]: aux layers concatenated in aux_ids order
+    last: torch.Tensor  # [1, T, H]: the verifier's last hidden state, BEFORE the final norm
 
 
 class HiddenStateSource(Protocol):
@@ -24,13 +24,13 @@ class HiddenStateSource(Protocol):
     hidden_size: int
     num_layers: int
 
-    def capture(self, input_ids: "torch.Tensor", position_ids: "torch.Tensor") -> Captured:
+    def capture(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> Captured:
         """Run the frozen target on one packed sequence ([1, T] each; positions restart per
         document) and return its features. Never computes the target's lm_head."""
         ...
 
 
-def make_source(cfg: "RunConfig", device: "torch.device", devices: list["torch.device"] | None = None):
+def make_source(cfg: RunConfig, device: torch.device, devices: list[torch.device] | None = None):
     """The source a run config asks for (only the in-process hooked target so far)."""
     from trainer.sources.hooked import HookedTransformersSource
 

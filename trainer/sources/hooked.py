@@ -55,15 +55,22 @@ def _to_device(obj, device):
     return obj
 
 
-def _base_model(model: nn.Module) -> nn.Module:
+def base_model(model: nn.Module) -> nn.Module:
     """The decoder stack (has .layers and .norm), whatever wrapper transformers returned."""
     for cand in (model, getattr(model, "model", None), getattr(model, "language_model", None)):
         if cand is not None and hasattr(cand, "layers") and hasattr(cand, "norm"):
             return cand
     inner = getattr(model, "model", None)
     if inner is not None and hasattr(inner, "language_model"):
-        return _base_model(inner.language_model)
+        return base_model(inner.language_model)
     raise TypeError(f"{type(model).__name__}: cannot find the decoder layers and final norm")
+
+
+def aux_module(base: nn.Module, aux_id: int) -> nn.Module:
+    """The module of the decoder stack `base` (see base_model) whose output is aux id `aux_id`,
+    speculators' layer-id convention (id k = HF hidden_states[k]): the embeddings for 0, decoder
+    layer k-1 for k >= 1."""
+    return base.embed_tokens if aux_id == 0 else base.layers[aux_id - 1]
 
 
 class HookedTransformersSource:
@@ -84,8 +91,10 @@ class HookedTransformersSource:
         self.out_device = torch.device(out_device)
         self.devices = [torch.device(d) for d in (devices or [self.out_device])]
         self.dtype = resolve_dtype(dtype, self.devices[0])
-        model = AutoModel.from_pretrained(str(target_path), dtype=self.dtype, attn_implementation=attn_implementation)
-        self.model = _base_model(model)
+        model = AutoModel.from_pretrained(
+            str(target_path), dtype=self.dtype, attn_implementation=attn_implementation
+        )
+        self.model = base_model(model)
         self.model.eval().requires_grad_(False)
         self.config = self.model.config
         self.num_layers = len(self.model.layers)
@@ -112,7 +121,8 @@ class HookedTransformersSource:
         if len(set(self.devices)) > 1:
             for layer, dev in zip(self.model.layers, self.layer_devices):
                 layer.register_forward_pre_hook(
-                    lambda _m, args, kwargs, d=dev: (_to_device(args, d), _to_device(kwargs, d)), with_kwargs=True
+                    lambda _m, args, kwargs, d=dev: (_to_device(args, d), _to_device(kwargs, d)),
+                    with_kwargs=True,
                 )
             self.model.norm.register_forward_pre_hook(lambda _m, args, d=last: _to_device(args, d))
 
@@ -122,7 +132,7 @@ class HookedTransformersSource:
         deepest = max(wanted) if wanted else 0
         stop_at_norm = self.need_last
         for k in wanted:
-            module = self.model.embed_tokens if k == 0 else self.model.layers[k - 1]
+            module = aux_module(self.model, k)
             stop_here = (not stop_at_norm) and k == deepest
             module.register_forward_hook(self._make_hook(k, stop_here))
         if self.need_last:

@@ -1,0 +1,74 @@
+"""The run state besides the weights: the optimizer (AdamW, ZeRO-1 sharded over the ranks or
+whole) with its learning-rate schedule, and the RNG states (seeded, saved, restored for an exact
+resume)."""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+from trainer.config import RunConfig
+
+
+def seed_all(seed: int) -> None:
+    """Seed torch, numpy and Python's RNGs alike."""
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    random.seed(seed)
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def lr_lambda(cfg: RunConfig):
+    """The LambdaLR factor: linear warmup (`train.warmup_steps`, or `warmup_ratio` of the steps), then
+    constant or cosine down to `train.min_lr_ratio` at `train.max_steps`."""
+    t = cfg.train
+    warm = t.resolved_warmup_steps
+
+    def f(step: int) -> float:  # step = optimizer steps done so far
+        if warm and step < warm:
+            return (step + 1) / warm
+        if t.schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warm) / max(1, t.max_steps - warm))
+        return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return f
+
+
+def make_optimizer(params: list[torch.nn.Parameter], cfg: RunConfig, sharded: bool):
+    """(optimizer, scheduler): AdamW over `params` with the `lr_lambda` schedule. `sharded`: ZeRO-1
+    (torch's ZeroRedundancyOptimizer), each rank keeps the moments of its share of the parameters."""
+    adamw = {"lr": cfg.train.lr, "betas": cfg.train.betas, "weight_decay": cfg.train.weight_decay}
+    if sharded:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        optimizer = ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, **adamw)
+    else:
+        optimizer = torch.optim.AdamW(params, **adamw)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+
+
+def local_moment_numel(optimizer, sharded: bool) -> int:
+    """Elements of the Adam moments (exp_avg + exp_avg_sq) this rank holds."""
+    local = optimizer.optim if sharded else optimizer
+    return sum(
+        v.numel() for st in local.state.values() for k, v in st.items() if k in ("exp_avg", "exp_avg_sq")
+    )
