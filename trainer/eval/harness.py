@@ -131,6 +131,12 @@ def finish_generation(tokens: list[int], max_new: int, stop_ids: set[int]) -> tu
     return out, "length"
 
 
+def accepted_count(drafts: list[int], verdict: list[int], block_size: int) -> int:
+    """How many drafts the target accepts: the longest prefix of `drafts` equal to the target's own
+    greedy tokens at the same positions (at most block_size - 1)."""
+    return next((i for i in range(block_size - 1) if drafts[i] != verdict[i]), block_size - 1)
+
+
 def generation_done(tokens: list[int], max_new: int, stop_ids: set[int]) -> bool:
     """`max_new` tokens are committed, or a stop token is."""
     return len(tokens) >= max_new or any(t in stop_ids for t in tokens)
@@ -161,9 +167,7 @@ def speculate(
         block = torch.tensor([[anchor, *drafts]], dtype=torch.long, device=dev)
         greedy, feats, tcache = target.forward(block, tcache)
         pred = greedy.tolist()
-        acc = 0
-        while acc < block_size - 1 and drafts[acc] == pred[acc]:
-            acc += 1
+        acc = accepted_count(drafts, pred, block_size)
         accepted.append(acc)
         tokens.extend(drafts[:acc] + [pred[acc]])
         pending = feats[:, : acc + 1]  # anchor + accepted drafts: positions n..n+acc

@@ -19,7 +19,13 @@ import time
 
 import torch
 
-from trainer.eval.harness import PromptResult, draft_to_target_ids, finish_generation, generation_done
+from trainer.eval.harness import (
+    PromptResult,
+    accepted_count,
+    draft_to_target_ids,
+    finish_generation,
+    generation_done,
+)
 
 
 class ReferenceTarget:
@@ -111,7 +117,7 @@ def speculate_reference(
         drafts = training_path_block(drafter, feats, seq, anchor_pos, block_size)
         greedy, _ = target.run(seq + drafts)
         verdict = greedy[anchor_pos:]  # the target's token after the anchor and after each draft
-        acc = next((i for i in range(block_size - 1) if drafts[i] != verdict[i]), block_size - 1)
+        acc = accepted_count(drafts, verdict, block_size)
         accepted.append(acc)
         seq += drafts[:acc] + [verdict[acc]]
     out, why = finish_generation(seq[len(prompt) :], max_new, stop_ids)
