@@ -1,7 +1,8 @@
 """Loop components on their own: the stall watchdog, the lr schedule, the drafter's frozen parts."""
 
-import time
+import threading
 
+import pytest
 import torch
 
 from trainer.config import load_config
@@ -9,24 +10,43 @@ from trainer.training.shutdown import StallWatchdog
 from trainer.training.state import lr_lambda
 
 
+class FakeClock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def test_stall_watchdog_warns_once_per_stall_and_rearms():
-    seen = []
-    wd = StallWatchdog(
-        lambda step, waited, thr: seen.append((step, waited, thr)), factor=5, min_s=0.05, poll_s=0.01
-    )
-    wd.start()
-    for step in range(1, 6):  # steady steps of ~10 ms
-        time.sleep(0.01)
+    clock, seen = FakeClock(), []
+    wd = StallWatchdog(lambda step, waited, thr: seen.append((step, waited, thr)), factor=5, min_s=0.05,
+                       clock=clock)
+    for step in range(1, 6):  # steady steps of 10 ms
+        clock.now += 0.01
         wd.step_done(step)
-    time.sleep(0.3)  # step 6 hangs: > max(0.05, 5 x median)
-    assert len(seen) == 1 and seen[0][0] == 6 and seen[0][1] > seen[0][2]
+    clock.now += 0.04
+    assert not wd.check() and seen == [], "below max(min_s, 5 x median) is no stall"
+    clock.now += 0.26  # step 6 hangs: 0.3 s > max(0.05, 5 x 0.01)
+    assert wd.check() and not wd.check(), "one warning per stall"
+    assert seen == [(6, pytest.approx(0.3), pytest.approx(0.05))]
     wd.step_done(6)
-    time.sleep(0.02)
+    clock.now += 0.02
     wd.step_done(7)
-    assert len(seen) == 1, "a normal step after the stall does not warn again"
-    time.sleep(0.3)
-    wd.stop()
-    assert len(seen) == 2 and seen[1][0] == 8
+    assert not wd.check() and len(seen) == 1, "a normal step after the stall does not warn again"
+    clock.now += 0.3
+    assert wd.check() and len(seen) == 2 and seen[1][0] == 8, "the next stall warns again"
+
+
+def test_stall_watchdog_thread_polls_by_itself():
+    warned = threading.Event()
+    wd = StallWatchdog(lambda *_: warned.set(), factor=5, min_s=0.0, poll_s=0.01).start()
+    try:
+        # no step ever completes: the first step's bound is 10 x min_s = 0 s, so the thread warns on
+        # its own; the wait is a deadline on an observable event, not a fixed sleep
+        assert warned.wait(timeout=30)
+    finally:
+        wd.stop()
 
 
 def test_lr_schedule_warmup_then_cosine_to_floor(make_config):

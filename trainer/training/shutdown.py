@@ -39,22 +39,24 @@ class StallWatchdog:
     a hang in a collective, a dead NFS mount, a GPU wedged. It runs in a thread, so it speaks even
     when the loop cannot; the monitor adds its own stall alert from the outside."""
 
-    def __init__(self, on_stall, factor: float = 10.0, min_s: float = 120.0, poll_s: float = 5.0):
+    def __init__(self, on_stall, factor: float = 10.0, min_s: float = 120.0, poll_s: float = 5.0,
+                 clock=time.monotonic):
         self.on_stall, self.factor, self.min_s, self.poll_s = on_stall, factor, min_s, poll_s
+        self._clock = clock  # injectable: tests drive time instead of sleeping
         self._durations: list[float] = []
-        self._started = time.monotonic()
+        self._started = clock()
         self._warned = False
         self._step = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True, name="dflash-stall-watchdog")
 
     def start(self) -> StallWatchdog:
-        self._started = time.monotonic()
+        self._started = self._clock()
         self._thread.start()
         return self
 
     def step_done(self, step: int) -> None:
-        now = time.monotonic()
+        now = self._clock()
         self._durations = (self._durations + [now - self._started])[-50:]
         self._started, self._step, self._warned = now, step, False
 
@@ -64,12 +66,18 @@ class StallWatchdog:
         med = sorted(self._durations)[len(self._durations) // 2]
         return max(self.min_s, self.factor * med)
 
+    def check(self) -> bool:
+        """One look at the current step (what the thread does every poll_s); True when it warned."""
+        waited = self._clock() - self._started
+        if self._warned or waited <= self.threshold_s():
+            return False
+        self._warned = True
+        self.on_stall(self._step + 1, waited, self.threshold_s())
+        return True
+
     def _watch(self) -> None:
         while not self._stop.wait(self.poll_s):
-            waited = time.monotonic() - self._started
-            if not self._warned and waited > self.threshold_s():
-                self._warned = True
-                self.on_stall(self._step + 1, waited, self.threshold_s())
+            self.check()
 
     def stop(self) -> None:
         self._stop.set()
