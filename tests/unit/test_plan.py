@@ -14,8 +14,12 @@ QWEN = FIX / "targets" / "qwen3.6-27b" / "config.json"
 
 
 def plan(*args, rc=0):
-    r = subprocess.run([sys.executable, "-m", "trainer.cli", "plan", "--target-config", QWEN, *map(str, args), "--json"],
-                       capture_output=True, text=True, check=False)
+    r = subprocess.run(
+        [sys.executable, "-m", "trainer.cli", "plan", "--target-config", QWEN, *map(str, args), "--json"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert r.returncode == rc, r.stderr
     return json.loads(r.stdout)
 
@@ -56,7 +60,9 @@ def test_optimizer_moments_are_sharded_over_data_parallel_ranks():
     assert eight["drafter_optimizer"] == pytest.approx(one["drafter_optimizer"] / 8, abs=0.01)
     # DDP adds its fp32 gradient buckets (4 B/param) on every rank: replicated, not sharded
     assert eight["drafter_trainable"] > one["drafter_trainable"]
-    assert plan("--gpu", "B200", "--gpu-count", 8)["assumptions"]["memory_model"] == "trainer/layout/sizing.py"
+    assert (
+        plan("--gpu", "B200", "--gpu-count", 8)["assumptions"]["memory_model"] == "trainer/layout/sizing.py"
+    )
 
 
 @pytest.mark.parametrize("gpu, count", [("RTX-PRO-6000-96GB", 4), ("B200", 8), ("B200", 7), ("H200", 1)])
@@ -77,8 +83,12 @@ def test_offline_storage_is_92_tb():
 
 def test_from_recon_facts_and_inventory_override(tmp_path):
     smi = FIX / "nvidia-smi"
-    facts = {"host": {"name": "a100-example"},
-             "gpus": build_facts((smi / "a100-8x40gb.query.csv").read_text(), (smi / "a100-8x40gb.nvidia-smi.txt").read_text())}
+    facts = {
+        "host": {"name": "a100-example"},
+        "gpus": build_facts(
+            (smi / "a100-8x40gb.query.csv").read_text(), (smi / "a100-8x40gb.nvidia-smi.txt").read_text()
+        ),
+    }
     (tmp_path / "recon.json").write_text(json.dumps(facts))
     p = plan("--facts", tmp_path / "recon.json", "--anchors", 32)
     assert (p["gpu"], p["gpu_count"], p["gpus_per_copy"]) == ("A100-40GB", 8, 4)
@@ -88,22 +98,87 @@ def test_from_recon_facts_and_inventory_override(tmp_path):
 
 
 def test_bad_input_is_named():
-    r = subprocess.run([sys.executable, "-m", "trainer.cli", "plan", "--target-config", QWEN, "--gpu", "V100", "--gpu-count", "8"],
-                       capture_output=True, text=True, check=False)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trainer.cli",
+            "plan",
+            "--target-config",
+            QWEN,
+            "--gpu",
+            "V100",
+            "--gpu-count",
+            "8",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert r.returncode == 2 and "unknown GPU 'V100'" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "trainer.cli", "plan", "--target-config", "/nonexistent/config.json",
-                        "--gpu", "B200", "--gpu-count", "8"], capture_output=True, text=True, check=False)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trainer.cli",
+            "plan",
+            "--target-config",
+            "/nonexistent/config.json",
+            "--gpu",
+            "B200",
+            "--gpu-count",
+            "8",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert r.returncode == 2 and "does not exist" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "trainer.cli", "plan", "--target-config", QWEN, "--gpu", "B200",
-                        "--gpu-count", "8", "--gpus-per-copy", "3"], capture_output=True, text=True, check=False)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trainer.cli",
+            "plan",
+            "--target-config",
+            QWEN,
+            "--gpu",
+            "B200",
+            "--gpu-count",
+            "8",
+            "--gpus-per-copy",
+            "3",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert r.returncode == 2 and "does not divide" in r.stderr
 
 
 def test_too_big_for_the_node_exits_1(tmp_path):
     cfg = json.loads(QWEN.read_text())
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": 1_500_000_000_000}}))
-    r = subprocess.run([sys.executable, "-m", "trainer.cli", "plan", "--target-config", tmp_path / "config.json",
-                        "--gpu", "A100-40GB", "--gpu-count", "8", "--json"], capture_output=True, text=True, check=False)
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": 1_500_000_000_000}})
+    )
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trainer.cli",
+            "plan",
+            "--target-config",
+            tmp_path / "config.json",
+            "--gpu",
+            "A100-40GB",
+            "--gpu-count",
+            "8",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert r.returncode == 1
     assert json.loads(r.stdout)["gpus_per_copy"] is None

@@ -11,14 +11,10 @@ import datasets
 import pytest
 
 from trainer.config import load_config
-from trainer.preflight import (
-    PreflightReport,
-    Problem,
-    SafetensorsError,
-    read_safetensors_header,
-    run_preflight,
-    suggest_aux_ids,
-)
+from trainer.preflight import PreflightReport, run_preflight
+from trainer.preflight.drafter import suggest_aux_ids
+from trainer.preflight.report import Problem
+from trainer.target import SafetensorsError, read_safetensors_header
 
 # ---------------------------------------------------------------- helpers
 

@@ -7,12 +7,23 @@ import pytest
 
 from trainer.config import load_config
 from trainer.layout.plan import per_gpu_bytes, read_target
-from trainer.preflight import TargetInfo, estimate_memory
 from trainer.layout.sizing import Shapes, per_device_bytes
+from trainer.preflight.machine import estimate_memory
+from trainer.target import TargetInfo
 
 QWEN = Path(__file__).resolve().parents[1] / "fixtures" / "targets" / "qwen3.6-27b"
-S = Shapes(target_params=27_000_000_000, target_dtype_bytes=2, hidden=5120, vocab=248320, intermediate=17408,
-           heads=24, kv_heads=4, head_dim=256, draft_layers=1, n_aux=5)
+S = Shapes(
+    target_params=27_000_000_000,
+    target_dtype_bytes=2,
+    hidden=5120,
+    vocab=248320,
+    intermediate=17408,
+    heads=24,
+    kv_heads=4,
+    head_dim=256,
+    draft_layers=1,
+    n_aux=5,
+)
 KNOBS = {"tokens": 8192, "anchors": 512, "block": 16}
 
 
@@ -22,7 +33,11 @@ def parts(**kw):
 
 def test_zero1_shards_only_the_moments_and_ddp_adds_buckets():
     p = S.drafter_trainable
-    solo, four, four_plain = parts(), parts(data_parallel=4), parts(data_parallel=4, shard_optimizer_state=False)
+    solo, four, four_plain = (
+        parts(),
+        parts(data_parallel=4),
+        parts(data_parallel=4, shard_optimizer_state=False),
+    )
     assert solo["drafter_optimizer"] == p * 8 == four_plain["drafter_optimizer"]
     assert four["drafter_optimizer"] == p * 8 / 4
     assert solo["drafter_trainable"] == p * (4 + 4 + 2)  # fp32 weight + grad + bf16 autocast cast
@@ -54,8 +69,10 @@ def test_target_weights_split_over_the_copy():
 
 def test_plan_and_preflight_give_the_same_figures(make_config):
     """Same target, same knobs: `dflash plan` and preflight's memory gate are one model."""
-    cfg = load_config(make_config(drafter={"aux_layer_ids": [2, 10, 18, 26, 34], "block_size": 16}),
-                      [f"target.path={QWEN}", "target.gpus_per_copy=2", "train.max_anchors=64"])
+    cfg = load_config(
+        make_config(drafter={"aux_layer_ids": [2, 10, 18, 26, 34], "block_size": 16}),
+        [f"target.path={QWEN}", "target.gpus_per_copy=2", "train.max_anchors=64"],
+    )
     info = TargetInfo.from_folder(QWEN)
     t = read_target(QWEN / "config.json")
     from dataclasses import replace

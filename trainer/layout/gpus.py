@@ -14,13 +14,14 @@ Rules (NVIDIA's CUDA release notes, "minimum required driver", Linux):
 
 from __future__ import annotations
 
-from trainer.errors import DflashError
 import csv
 import io
 import json
 import re
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from trainer.errors import DflashError
 
 # Columns the gpu_facts role asks for, in this order (`--format=csv,noheader,nounits`).
 QUERY_FIELDS = ("index", "name", "memory.total", "driver_version", "compute_cap", "pci.bus_id", "uuid")
@@ -72,7 +73,9 @@ def parse_query(text: str) -> list[Gpu]:
             continue
         cells = [c.strip() for c in row]
         if len(cells) < 5:
-            raise GpuFactsError(f"expected {len(QUERY_FIELDS)} comma-separated fields, got {len(cells)}: {row!r}")
+            raise GpuFactsError(
+                f"expected {len(QUERY_FIELDS)} comma-separated fields, got {len(cells)}: {row!r}"
+            )
         try:
             gpus.append(
                 Gpu(
@@ -121,7 +124,10 @@ def cuda_arch_problem(cuda: str, compute_cap: str) -> str | None:
         return None
     name, oldest = arch
     if parse_version(cuda)[:2] < oldest:
-        return f"CUDA {cuda} does not know {name} GPUs (compute capability {compute_cap}); use CUDA >= {oldest[0]}.{oldest[1]}"
+        return (
+            f"CUDA {cuda} does not know {name} GPUs (compute capability {compute_cap}); "
+            f"use CUDA >= {oldest[0]}.{oldest[1]}"
+        )
     return None
 
 
@@ -228,11 +234,17 @@ def decide(
     if arch_problem:
         out["cuda"] = {"action": "refuse", "reason": arch_problem}
     elif effective_driver is None or out["driver"]["action"] == "refuse":
-        out["cuda"] = {"action": "refuse", "reason": f"no driver that runs CUDA {cuda_version}: {out['driver']['reason']}"}
+        out["cuda"] = {
+            "action": "refuse",
+            "reason": f"no driver that runs CUDA {cuda_version}: {out['driver']['reason']}",
+        }
     elif toolkit_installed and parse_version(toolkit_installed)[:2] == parse_version(cuda_version)[:2]:
         out["cuda"] = {"action": "keep", "reason": f"CUDA toolkit {toolkit_installed} already installed"}
     else:
-        out["cuda"] = {"action": "install", "reason": f"install CUDA toolkit {cuda_version} (driver {effective_driver} runs it)"}
+        out["cuda"] = {
+            "action": "install",
+            "reason": f"install CUDA toolkit {cuda_version} (driver {effective_driver} runs it)",
+        }
     return out
 
 

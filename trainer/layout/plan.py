@@ -1,10 +1,11 @@
 """`dflash plan`: how one node's GPUs hold the target (GPUs per copy, data-parallel width), a per-GPU
 memory estimate with its reason, and the offline-vs-online arithmetic. Light side: stdlib only.
 
-Inputs: the target's config.json (its parameter count comes from `model.safetensors.index.json`'s
-`metadata.total_size` when that file sits beside it, else from safetensors headers, else from the
-config's shapes), and the GPUs: a catalog name (`--gpu A100-40GB --gpu-count 8`) or a host's recon
-facts (`--facts reports/<host>/recon.json`, written by the gpu_facts role).
+Inputs: the target's config.json, read by trainer/target.py (its parameter count comes from
+`model.safetensors.index.json`'s `metadata.total_size` when that file sits beside it, else from
+safetensors headers, else from the config's shapes), and the GPUs: a catalog name (`--gpu A100-40GB
+--gpu-count 8`) or a host's recon facts (`--facts reports/<host>/recon.json`, written by the gpu_facts
+role).
 
 Layout rule: the smallest number of GPUs per copy n (a divisor of the GPU count) for which the
 per-GPU estimate fits in `usable_share` of a GPU's memory; data-parallel width = count // n. The
@@ -20,33 +21,46 @@ Every assumption is a named constant and is echoed in the JSON under `assumption
 
 from __future__ import annotations
 
-from trainer.errors import DflashError
 import json
-import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from trainer.errors import DflashError
 from trainer.layout.sizing import ASSUMPTIONS as SIZING_ASSUMPTIONS
 from trainer.layout.sizing import Shapes, per_device_bytes
+from trainer.target import ModelConfigError, TargetInfo, read_config, stored_bytes
 
 GIB = float(2**30)
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8": 1}
 
 # name -> (nvidia-smi name, memory GiB, dense bf16 TFLOPS, interconnect)
 GPU_CATALOG: dict[str, dict[str, Any]] = {
-    "A100-40GB": {"smi_name": "NVIDIA A100-SXM4-40GB", "memory_gib": 40.0, "bf16_tflops": 312, "link": "NVLink 600 GB/s"},
-    "A100-80GB": {"smi_name": "NVIDIA A100-SXM4-80GB", "memory_gib": 80.0, "bf16_tflops": 312, "link": "NVLink 600 GB/s"},
-    "H100-80GB": {"smi_name": "NVIDIA H100 80GB HBM3", "memory_gib": 79.6, "bf16_tflops": 989, "link": "NVLink 900 GB/s"},
-    "H200": {"smi_name": "NVIDIA H200", "memory_gib": 140.4, "bf16_tflops": 989, "link": "NVLink 900 GB/s"},
-    "B200": {"smi_name": "NVIDIA B200", "memory_gib": 179.1, "bf16_tflops": 2250, "link": "NVLink 1800 GB/s"},
-    "RTX-PRO-6000-96GB": {
-        "smi_name": "NVIDIA RTX PRO 6000 Blackwell Server Edition", "memory_gib": 95.6, "bf16_tflops": 500,
-        "link": "PCIe 5.0 x16 (~64 GB/s)",
-    },
+    name: {"smi_name": smi, "memory_gib": gib, "bf16_tflops": tflops, "link": link}
+    for name, smi, gib, tflops, link in (
+        ("A100-40GB", "NVIDIA A100-SXM4-40GB", 40.0, 312, "NVLink 600 GB/s"),
+        ("A100-80GB", "NVIDIA A100-SXM4-80GB", 80.0, 312, "NVLink 600 GB/s"),
+        ("H100-80GB", "NVIDIA H100 80GB HBM3", 79.6, 989, "NVLink 900 GB/s"),
+        ("H200", "NVIDIA H200", 140.4, 989, "NVLink 900 GB/s"),
+        ("B200", "NVIDIA B200", 179.1, 2250, "NVLink 1800 GB/s"),
+        (
+            "RTX-PRO-6000-96GB",
+            "NVIDIA RTX PRO 6000 Blackwell Server Edition",
+            95.6,
+            500,
+            "PCIe 5.0 x16 (~64 GB/s)",
+        ),
+    )
 }
-GPU_ALIASES = {"PRO6000": "RTX-PRO-6000-96GB", "RTX-PRO-6000": "RTX-PRO-6000-96GB", "PRO6000-96GB": "RTX-PRO-6000-96GB",
-               "H200-141GB": "H200", "B200-183GB": "B200", "A100": "A100-40GB", "H100": "H100-80GB"}
+GPU_ALIASES = {
+    "PRO6000": "RTX-PRO-6000-96GB",
+    "RTX-PRO-6000": "RTX-PRO-6000-96GB",
+    "PRO6000-96GB": "RTX-PRO-6000-96GB",
+    "H200-141GB": "H200",
+    "B200-183GB": "B200",
+    "A100": "A100-40GB",
+    "H100": "H100-80GB",
+}
 
 ASSUMPTIONS = {
     "usable_share": 0.92,  # of a GPU's memory the estimate may fill (fragmentation, NCCL buffers)
@@ -78,71 +92,40 @@ class TargetShape:
     dtype: str
 
 
-def _text_config(raw: dict[str, Any]) -> dict[str, Any]:
-    text = raw.get("text_config") if "num_hidden_layers" not in raw else None
-    return {**raw, **text} if isinstance(text, dict) else raw
-
-
-def _stored_params(folder: Path) -> tuple[int, str] | None:
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            meta = json.loads(index.read_text()).get("metadata", {})
-            total = int(meta["total_size"])
-            return total, f"{index.name} metadata.total_size ({total} bytes)"
-        except (ValueError, KeyError, TypeError, json.JSONDecodeError):
-            pass
-    total = 0
-    files = sorted(folder.glob("*.safetensors"))
-    for f in files:
-        try:
-            with open(f, "rb") as fh:
-                n = struct.unpack("<Q", fh.read(8))[0]
-                header = json.loads(fh.read(n))
-        except (OSError, struct.error, json.JSONDecodeError, UnicodeDecodeError):
-            return None
-        for name, entry in header.items():
-            if name != "__metadata__":
-                a, b = entry["data_offsets"]
-                total += b - a
-    if files and total:
-        return total, f"safetensors headers of {len(files)} file(s) ({total} bytes)"
-    return None
-
-
 def read_target(config_path: Path, dtype: str = "bfloat16") -> TargetShape:
+    """The target's shapes from its config.json (or the folder holding it), read by trainer/target.py."""
     config_path = Path(config_path)
     if config_path.is_dir():
         config_path = config_path / "config.json"
     if not config_path.is_file():
         raise PlanError(f"target config {config_path} does not exist (pass the target's config.json)")
     try:
-        conf = _text_config(json.loads(config_path.read_text()))
-        h, layers = int(conf["hidden_size"]), int(conf["num_hidden_layers"])
-        heads = int(conf["num_attention_heads"])
-        kv = int(conf.get("num_key_value_heads") or heads)
-        hd = int(conf.get("head_dim") or h // heads)
-        inter = int(conf.get("intermediate_size") or 4 * h)
-        vocab = int(conf["vocab_size"])
-        tied = bool(conf.get("tie_word_embeddings", False))
-    except json.JSONDecodeError as exc:
-        raise PlanError(f"{config_path}: not valid JSON ({exc})") from None
-    except KeyError as exc:
-        raise PlanError(f"{config_path} lacks {exc.args[0]!r}") from None
-    except (TypeError, ValueError) as exc:
-        raise PlanError(f"{config_path}: unusable value ({exc})") from None
+        info = TargetInfo.from_config(read_config(config_path), config_path)
+    except ModelConfigError as exc:
+        raise PlanError(str(exc)) from None
     if dtype not in DTYPE_BYTES:
         raise PlanError(f"dtype {dtype!r}: use one of {', '.join(DTYPE_BYTES)}")
-    stored = _stored_params(config_path.parent)
+    stored = stored_bytes(config_path.parent)
     if stored is not None:
         nbytes, source = stored
-        params = nbytes // DTYPE_BYTES.get(str(conf.get("torch_dtype") or conf.get("dtype") or "bfloat16"), 2)
+        params = nbytes // DTYPE_BYTES.get(info.stored_dtype, 2)
     else:
-        layer = Shapes(target_params=0, target_dtype_bytes=2, hidden=h, vocab=vocab, intermediate=inter, heads=heads,
-                       kv_heads=kv, head_dim=hd).decoder_layer_params()  # the one formula (trainer/layout/sizing.py)
-        params = vocab * h * (1 if tied else 2) + layers * layer + h
+        # the one formula (trainer/layout/sizing.py), without attention biases as in every plan estimate
+        params = replace(info, attention_bias=False).config_params
         source = "estimated from config.json shapes (dense attention + gated MLP per layer)"
-    return TargetShape(h, layers, vocab, inter, heads, kv, hd, tied, int(params), source, dtype)
+    return TargetShape(
+        info.hidden,
+        info.num_layers,
+        info.vocab,
+        info.intermediate,
+        info.heads,
+        info.kv_heads,
+        info.head_dim,
+        info.tied_embeddings,
+        int(params),
+        source,
+        dtype,
+    )
 
 
 def resolve_gpu(name: str) -> tuple[str, dict[str, Any]]:
@@ -171,30 +154,60 @@ def gpus_from_facts(path: Path) -> tuple[str, dict[str, Any], int]:
         name, spec = resolve_gpu(gpus["model"])
         spec = {**spec, "memory_gib": float(gpus["memory_gib_min"])}
     except PlanError:
-        name, spec = gpus["model"], {"smi_name": gpus["model"], "memory_gib": float(gpus["memory_gib_min"]),
-                                     "bf16_tflops": None, "link": "unknown"}
+        name, spec = gpus["model"], uncatalogued_gpu(gpus["model"], float(gpus["memory_gib_min"]))
     return name, spec, count
 
 
+def uncatalogued_gpu(name: str, memory_gib: float) -> dict[str, Any]:
+    """The spec of a GPU outside GPU_CATALOG: its memory only."""
+    return {"smi_name": name, "memory_gib": memory_gib, "bf16_tflops": None, "link": "unknown"}
+
+
 def shapes(t: TargetShape, draft_layers: int, n_aux: int) -> Shapes:
-    return Shapes(target_params=t.params, target_dtype_bytes=DTYPE_BYTES[t.dtype], hidden=t.hidden, vocab=t.vocab,
-                  intermediate=t.intermediate, heads=t.heads, kv_heads=t.kv_heads, head_dim=t.head_dim,
-                  draft_layers=draft_layers, n_aux=n_aux)
+    return Shapes(
+        target_params=t.params,
+        target_dtype_bytes=DTYPE_BYTES[t.dtype],
+        hidden=t.hidden,
+        vocab=t.vocab,
+        intermediate=t.intermediate,
+        heads=t.heads,
+        kv_heads=t.kv_heads,
+        head_dim=t.head_dim,
+        draft_layers=draft_layers,
+        n_aux=n_aux,
+    )
 
 
 def drafter_params(t: TargetShape, layers: int, n_aux: int) -> int:
     return shapes(t, layers, n_aux).drafter_trainable
 
 
-def per_gpu_bytes(t: TargetShape, n: int, dp: int, draft_layers: int, n_aux: int, block: int, anchors: int,
-                  tokens: int) -> dict[str, float]:
-    return per_device_bytes(shapes(t, draft_layers, n_aux), gpus_per_copy=n, data_parallel=dp, tokens=tokens,
-                            anchors=anchors, block=block, device="cuda",
-                            shard_optimizer_state=ASSUMPTIONS["shard_optimizer_state"])
+def per_gpu_bytes(
+    t: TargetShape, n: int, dp: int, draft_layers: int, n_aux: int, block: int, anchors: int, tokens: int
+) -> dict[str, float]:
+    return per_device_bytes(
+        shapes(t, draft_layers, n_aux),
+        gpus_per_copy=n,
+        data_parallel=dp,
+        tokens=tokens,
+        anchors=anchors,
+        block=block,
+        device="cuda",
+        shard_optimizer_state=ASSUMPTIONS["shard_optimizer_state"],
+    )
 
 
-def max_anchors_that_fit(t: TargetShape, n: int, dp: int, draft_layers: int, n_aux: int, block: int, anchors: int,
-                         tokens: int, budget: float) -> int:
+def max_anchors_that_fit(
+    t: TargetShape,
+    n: int,
+    dp: int,
+    draft_layers: int,
+    n_aux: int,
+    block: int,
+    anchors: int,
+    tokens: int,
+    budget: float,
+) -> int:
     """The largest anchors <= `anchors` whose estimate fits `budget` (0: none does)."""
     lo, hi = 0, anchors
     while lo < hi:
@@ -211,13 +224,26 @@ def _largest(parts: dict[str, float]) -> str:
     return ", ".join(f"{k} {v / GIB:.1f} GiB" for k, v in big)
 
 
-def choose_layout(t: TargetShape, memory_gib: float, count: int, draft_layers: int, n_aux: int, block: int,
-                  anchors: int, tokens: int, override: int | None = None) -> dict[str, Any]:
+def choose_layout(
+    t: TargetShape,
+    memory_gib: float,
+    count: int,
+    draft_layers: int,
+    n_aux: int,
+    block: int,
+    anchors: int,
+    tokens: int,
+    override: int | None = None,
+) -> dict[str, Any]:
     budget = memory_gib * GIB * ASSUMPTIONS["usable_share"]
     tried = []
     candidates = [override] if override else [n for n in range(1, count + 1) if count % n == 0]
     if override and count % override:
         raise PlanError(f"gpus_per_copy {override} does not divide the GPU count {count}")
+
+    def anchors_for(m: int) -> int:
+        return max_anchors_that_fit(t, m, count // m, draft_layers, n_aux, block, anchors, tokens, budget)
+
     for n in candidates:
         dp = count // n
         parts = per_gpu_bytes(t, n, dp, draft_layers, n_aux, block, anchors, tokens)
@@ -226,41 +252,65 @@ def choose_layout(t: TargetShape, memory_gib: float, count: int, draft_layers: i
         if need <= budget or override:
             fits = need <= budget
             thin = fits and need > ASSUMPTIONS["thin_margin_share"] * budget
-            smaller = [(m, max_anchors_that_fit(t, m, count // m, draft_layers, n_aux, block, anchors, tokens, budget))
-                       for m in candidates if m < n] if thin else []
-            smaller = [(m, k) for m, k in smaller if k > 0]
+            smaller = [(m, k) for m in candidates if m < n and (k := anchors_for(m)) > 0] if thin else []
             reason = (
-                f"target {t.params / 1e9:.1f}B params x {DTYPE_BYTES[t.dtype]} B = {t.params * DTYPE_BYTES[t.dtype] / GIB:.1f} GiB; "
+                f"target {t.params / 1e9:.1f}B params x {DTYPE_BYTES[t.dtype]} B = "
+                f"{t.params * DTYPE_BYTES[t.dtype] / GIB:.1f} GiB; "
                 + ("" if n == 1 else f"fewer than {n} GPUs per copy need more than the budget; ")
                 + f"with {n} per copy each GPU needs ~{need / GIB:.1f} GiB of {memory_gib:.1f} GiB "
                 f"(budget {ASSUMPTIONS['usable_share']:.0%} = {budget / GIB:.1f} GiB)"
                 + ("" if not override else f"; gpus_per_copy={override} set by hand")
-                + (f"; THIN MARGIN: within {1 - ASSUMPTIONS['thin_margin_share']:.0%} of the budget, and the "
-                   f"memory model is not calibrated on a GPU: lower --anchors (train.max_anchors) for margin"
-                   + "".join(f"; {m} per copy fits with --anchors {k}" for m, k in smaller)
-                   if thin else "")
+                + (
+                    f"; THIN MARGIN: within {1 - ASSUMPTIONS['thin_margin_share']:.0%} of the budget, and "
+                    "the memory model is not calibrated on a GPU: lower --anchors (train.max_anchors) "
+                    "for margin" + "".join(f"; {m} per copy fits with --anchors {k}" for m, k in smaller)
+                    if thin
+                    else ""
+                )
                 + ("" if fits else "; DOES NOT FIT: expect out-of-memory")
             )
-            return {"gpus_per_copy": n, "data_parallel": dp, "fits": fits, "per_gpu_bytes": parts,
-                    "per_gpu_memory_gb": round(need / 1e9, 1), "per_gpu_memory_gib": round(need / GIB, 1),
-                    "reason": reason, "tried": tried, "thin_margin": thin,
-                    "fits_with_anchors": [{"gpus_per_copy": m, "anchors": k} for m, k in smaller]}
-    fitting = [(n, max_anchors_that_fit(t, n, count // n, draft_layers, n_aux, block, anchors, tokens, budget))
-               for n in candidates]
-    fitting = [(n, k) for n, k in fitting if k > 0]
-    hint = ("; " + ", ".join(f"{n} per copy fits with --anchors {k} (train.max_anchors)" for n, k in fitting[:3])
-            if fitting else "; no --anchors fits: use GPUs with more memory, a smaller dtype or fewer tokens per batch")
-    return {"gpus_per_copy": None, "data_parallel": 0, "fits": False, "per_gpu_bytes": parts,
-            "per_gpu_memory_gb": round(need / 1e9, 1), "per_gpu_memory_gib": round(need / GIB, 1),
-            "reason": f"even {count} GPUs per copy need ~{need / GIB:.1f} GiB on the copy's first GPU "
-                      f"(largest: {_largest(parts)}), over the {budget / GIB:.1f} GiB budget with "
-                      f"--anchors {anchors} x --block-size {block}" + hint,
-            "fits_with_anchors": [{"gpus_per_copy": n, "anchors": k} for n, k in fitting],
-            "tried": tried}
+            return {
+                "gpus_per_copy": n,
+                "data_parallel": dp,
+                "fits": fits,
+                "per_gpu_bytes": parts,
+                "per_gpu_memory_gb": round(need / 1e9, 1),
+                "per_gpu_memory_gib": round(need / GIB, 1),
+                "reason": reason,
+                "tried": tried,
+                "thin_margin": thin,
+                "fits_with_anchors": [{"gpus_per_copy": m, "anchors": k} for m, k in smaller],
+            }
+    fitting = [(n, k) for n in candidates if (k := anchors_for(n)) > 0]
+    hint = (
+        "; " + ", ".join(f"{n} per copy fits with --anchors {k} (train.max_anchors)" for n, k in fitting[:3])
+        if fitting
+        else "; no --anchors fits: use GPUs with more memory, a smaller dtype or fewer tokens per batch"
+    )
+    return {
+        "gpus_per_copy": None,
+        "data_parallel": 0,
+        "fits": False,
+        "per_gpu_bytes": parts,
+        "per_gpu_memory_gb": round(need / 1e9, 1),
+        "per_gpu_memory_gib": round(need / GIB, 1),
+        "reason": f"even {count} GPUs per copy need ~{need / GIB:.1f} GiB on the copy's first GPU "
+        f"(largest: {_largest(parts)}), over the {budget / GIB:.1f} GiB budget with "
+        f"--anchors {anchors} x --block-size {block}" + hint,
+        "fits_with_anchors": [{"gpus_per_copy": n, "anchors": k} for n, k in fitting],
+        "tried": tried,
+    }
 
 
-def offline_arithmetic(t: TargetShape, n_aux: int, samples: int, mean_tokens: float, epochs: float,
-                       count: int, gpus_per_copy: int | None) -> dict[str, Any]:
+def offline_arithmetic(
+    t: TargetShape,
+    n_aux: int,
+    samples: int,
+    mean_tokens: float,
+    epochs: float,
+    count: int,
+    gpus_per_copy: int | None,
+) -> dict[str, Any]:
     a = ASSUMPTIONS
     wb = DTYPE_BYTES[t.dtype]
     per_token = n_aux * t.hidden * wb
@@ -269,20 +319,24 @@ def offline_arithmetic(t: TargetShape, n_aux: int, samples: int, mean_tokens: fl
         "bytes_per_token": per_token,
         "offline_storage_bytes": int(per_token * total_tokens),
         "offline_storage_tb": round(per_token * total_tokens / 1e12, 1),
-        "formula": f"{n_aux} aux layers x {t.hidden} hidden x {wb} B x {mean_tokens:g} tokens x {samples} samples",
+        "formula": f"{n_aux} aux layers x {t.hidden} hidden x {wb} B x {mean_tokens:g} tokens "
+        f"x {samples} samples",
         "per_hardware": [],
     }
     flops_per_token = 2 * t.params * (1 + a["drafter_compute_share"])
     for name, spec in GPU_CATALOG.items():
         tok_s_gpu = spec["bf16_tflops"] * 1e12 * a["mfu"] / flops_per_token
         tok_s = tok_s_gpu * count
-        out["per_hardware"].append({
-            "gpu": name, "gpus": count,
-            "tokens_per_s": round(tok_s),
-            "stream_bandwidth_gb_s": round(tok_s * per_token / 1e9, 2),
-            "link": spec["link"],
-            "wall_hours": round(total_tokens * epochs / tok_s / 3600, 1),
-        })
+        out["per_hardware"].append(
+            {
+                "gpu": name,
+                "gpus": count,
+                "tokens_per_s": round(tok_s),
+                "stream_bandwidth_gb_s": round(tok_s * per_token / 1e9, 2),
+                "link": spec["link"],
+                "wall_hours": round(total_tokens * epochs / tok_s / 3600, 1),
+            }
+        )
     out["online_note"] = (
         "online training recomputes the target forward each epoch instead of storing hidden states; an "
         "online split (target GPUs streaming to drafter GPUs) moves stream_bandwidth_gb_s over the link"
@@ -300,22 +354,36 @@ def make_plan(args) -> dict[str, Any]:
         if not args.gpu or not args.gpu_count:
             raise PlanError("pass --gpu NAME --gpu-count N, or --facts reports/<host>/recon.json")
         if args.gpu_memory_gib:
-            gpu_name, spec = args.gpu, {"smi_name": args.gpu, "memory_gib": args.gpu_memory_gib,
-                                        "bf16_tflops": None, "link": "unknown"}
+            gpu_name, spec = args.gpu, uncatalogued_gpu(args.gpu, args.gpu_memory_gib)
         else:
             gpu_name, spec = resolve_gpu(args.gpu)
         count = args.gpu_count
     if count < 1:
         raise PlanError(f"--gpu-count must be >= 1, got {count}")
     n_aux = args.aux_layers
-    layout = choose_layout(target, spec["memory_gib"], count, args.draft_layers, n_aux, args.block_size,
-                           args.anchors, args.tokens_per_batch, args.gpus_per_copy)
+    layout = choose_layout(
+        target,
+        spec["memory_gib"],
+        count,
+        args.draft_layers,
+        n_aux,
+        args.block_size,
+        args.anchors,
+        args.tokens_per_batch,
+        args.gpus_per_copy,
+    )
     plan = {
         "gpu": gpu_name,
         "gpu_count": count,
         "gpu_memory_gib": spec["memory_gib"],
-        "target": {"params": target.params, "params_source": target.params_source, "hidden": target.hidden,
-                   "layers": target.layers, "vocab": target.vocab, "dtype": target.dtype},
+        "target": {
+            "params": target.params,
+            "params_source": target.params_source,
+            "hidden": target.hidden,
+            "layers": target.layers,
+            "vocab": target.vocab,
+            "dtype": target.dtype,
+        },
         "gpus_per_copy": layout["gpus_per_copy"],
         "data_parallel": layout["data_parallel"],
         "fits": layout["fits"],
@@ -326,12 +394,18 @@ def make_plan(args) -> dict[str, Any]:
         "tried": layout["tried"],
         "thin_margin": layout.get("thin_margin", False),
         "fits_with_anchors": layout.get("fits_with_anchors", []),
-        "drafter": {"layers": args.draft_layers, "aux_layers": n_aux, "block_size": args.block_size,
-                    "anchors": args.anchors, "tokens_per_batch": args.tokens_per_batch},
+        "drafter": {
+            "layers": args.draft_layers,
+            "aux_layers": n_aux,
+            "block_size": args.block_size,
+            "anchors": args.anchors,
+            "tokens_per_batch": args.tokens_per_batch,
+        },
         "assumptions": ASSUMPTIONS,
     }
-    arith = offline_arithmetic(target, n_aux, args.samples, args.mean_tokens, args.epochs, count,
-                               layout["gpus_per_copy"])
+    arith = offline_arithmetic(
+        target, n_aux, args.samples, args.mean_tokens, args.epochs, count, layout["gpus_per_copy"]
+    )
     plan["offline_storage_bytes"] = arith["offline_storage_bytes"]
     plan["offline_vs_online"] = arith
     return plan
@@ -340,13 +414,18 @@ def make_plan(args) -> dict[str, Any]:
 def render_text(p: dict[str, Any]) -> str:
     t = p["target"]
     lines = [
-        (f"target   {t['params'] / 1e9:.2f}B params ({t['params_source']}), hidden {t['hidden']}, "
-        f"{t['layers']} layers, {t['dtype']}"),
+        (
+            f"target   {t['params'] / 1e9:.2f}B params ({t['params_source']}), hidden {t['hidden']}, "
+            f"{t['layers']} layers, {t['dtype']}"
+        ),
         f"gpus     {p['gpu_count']} x {p['gpu']} ({p['gpu_memory_gib']} GiB each)",
-        (f"layout   {p['gpus_per_copy']} GPU(s) per target copy, data-parallel {p['data_parallel']}"
-         if p["gpus_per_copy"] is not None else
-         "layout   NONE FITS (tried " + ", ".join(f"{t['gpus_per_copy']} per copy: {t['per_gpu_gib']} GiB"
-                                         for t in p["tried"]) + ")"),
+        (
+            f"layout   {p['gpus_per_copy']} GPU(s) per target copy, data-parallel {p['data_parallel']}"
+            if p["gpus_per_copy"] is not None
+            else "layout   NONE FITS (tried "
+            + ", ".join(f"{t['gpus_per_copy']} per copy: {t['per_gpu_gib']} GiB" for t in p["tried"])
+            + ")"
+        ),
         f"memory   ~{p['per_gpu_memory_gib']} GiB per GPU: "
         + ", ".join(f"{k} {v}" for k, v in p["per_gpu_breakdown_gib"].items()),
         f"why      {p['reason']}",
@@ -354,11 +433,15 @@ def render_text(p: dict[str, Any]) -> str:
     o = p["offline_vs_online"]
     lines.append(f"offline  {o['offline_storage_tb']} TB of hidden states ({o['formula']})")
     lines.append(f"         {o['online_note']}")
-    lines.append("per hardware (same GPU count; assumptions: mfu "
-                 f"{p['assumptions']['mfu']}, drafter {p['assumptions']['drafter_compute_share']:.0%} of the target forward):")
+    lines.append(
+        f"per hardware (same GPU count; assumptions: mfu {p['assumptions']['mfu']}, "
+        f"drafter {p['assumptions']['drafter_compute_share']:.0%} of the target forward):"
+    )
     for h in o["per_hardware"]:
-        lines.append(f"  {h['gpu']:18} {h['tokens_per_s']:>9} tok/s  stream {h['stream_bandwidth_gb_s']:>7} GB/s "
-                     f"over {h['link']:24} ~{h['wall_hours']} h")
+        lines.append(
+            f"  {h['gpu']:18} {h['tokens_per_s']:>9} tok/s  stream {h['stream_bandwidth_gb_s']:>7} GB/s "
+            f"over {h['link']:24} ~{h['wall_hours']} h"
+        )
     return "\n".join(lines)
 
 

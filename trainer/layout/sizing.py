@@ -38,12 +38,15 @@ from typing import Any
 GIB = float(2**30)
 
 ASSUMPTIONS: dict[str, Any] = {
-    "drafter_param_dtype": "float32",  # trainable tensors and the frozen embedding (the drafter is built fp32)
+    # trainable tensors and the frozen embedding (the drafter is built fp32)
+    "drafter_param_dtype": "float32",
     "trainable_bytes_per_param": {"weight": 4, "grad": 4, "ddp_bucket": 4, "autocast_copy_cuda": 2},
     "adam_moment_bytes_per_param": 8,  # exp_avg + exp_avg_sq, fp32
     "optimizer_sharding": "ZeRO-1 over data-parallel ranks when shard_optimizer_state and data_parallel > 1",
-    "frozen": "embed_tokens + verifier_norm fp32; one head shared by lm_head/verifier_lm_head, "
-              "bf16 under bf16 autocast (CUDA), else fp32",
+    "frozen": (
+        "embed_tokens + verifier_norm fp32; one head shared by lm_head/verifier_lm_head, "
+        "bf16 under bf16 autocast (CUDA), else fp32"
+    ),
     "activation_copies": 4,  # saved tensors of width hidden per token and drafter layer
     "mlp_intermediate_copies": 3,  # gate, up, act*up
     "logit_copies": {"fused": 3, "eager": 4},  # logits, targets, grad (+ fp32 log-softmax for eager)
@@ -120,18 +123,21 @@ def per_device_bytes(
     loss = "fused" if cuda else "eager"
     # under bf16 autocast the frozen head is stored in bf16 (trainer/drafter.py cast_frozen_heads)
     head_bytes = 2 if cuda and act == 2 else 4
-    per_layer = a["activation_copies"] * (q + tokens) * s.hidden + a["mlp_intermediate_copies"] * q * draft_inter
+    per_layer = (
+        a["activation_copies"] * (q + tokens) * s.hidden + a["mlp_intermediate_copies"] * q * draft_inter
+    )
     return {
         "target_weights": s.target_params * s.target_dtype_bytes / gpus_per_copy,
         "target_forward": tokens * s.intermediate * a["mlp_intermediate_copies"] * s.target_dtype_bytes,
         "drafter_trainable": p * per_param,
         "drafter_optimizer": p * a["adam_moment_bytes_per_param"] / shards,
         "drafter_frozen": (s.vocab * s.hidden + s.hidden) * 4 + s.vocab * s.hidden * head_bytes,
-        "activations": ((s.n_aux + 1) * tokens * s.hidden * s.target_dtype_bytes  # captured aux + last
-                        + 2 * tokens * s.hidden * act  # fc output, hidden_norm
-                        + q * s.hidden * 4  # noise embedding (fp32 embed_tokens)
-                        + s.draft_layers * per_layer * act),
+        "activations": (
+            (s.n_aux + 1) * tokens * s.hidden * s.target_dtype_bytes  # captured aux + last
+            + 2 * tokens * s.hidden * act  # fc output, hidden_norm
+            + q * s.hidden * 4  # noise embedding (fp32 embed_tokens)
+            + s.draft_layers * per_layer * act
+        ),
         "logits": q * s.vocab * a["logit_bytes"][loss] * a["logit_copies"][loss],
         "runtime_reserve": a["runtime_reserve_gib_cuda"] * GIB if cuda else 0.0,
     }
-

@@ -1,0 +1,64 @@
+"""Preflight: every check that can refuse a run, done in seconds before any GPU time is spent.
+
+Three gates, each listing every problem it finds (a run is refused on any error; warnings inform):
+
+- data (data.py): supervised tokens per sample (histogram), short responses, samples the loop would
+  drop (no two consecutive supervised tokens, longer than data.max_length, input_ids/loss_mask length
+  mismatch), token ids outside the target vocabulary;
+- config: the target folder (target.py); the aux layer ids (in speculators' convention, after
+  conversion), the mask token, the block size, and a warm-start checkpoint's wiring (fc width, aux
+  ids, hidden size) (drafter.py);
+- machine (machine.py): free disk for the kept checkpoints, and a memory estimate against the device.
+
+The findings and their rendering are in report.py. Light side: model folders are read by
+trainer/target.py (config.json as JSON, safetensors files by their headers only); no transformers or
+speculators import. torch is imported only to ask CUDA for its free memory.
+`run_preflight` is the entry of `dflash preflight` and of `dflash train`. Docs: docs/preflight.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from trainer.preflight.data import data_gate
+from trainer.preflight.drafter import aux_gate, drafter_gate, warm_start_gate
+from trainer.preflight.machine import disk_gate, memory_gate
+from trainer.preflight.report import PreflightReport
+from trainer.preflight.target import target_gate
+
+if TYPE_CHECKING:
+    from trainer.config import RunConfig
+    from trainer.target import TargetInfo
+
+__all__ = ["PreflightReport", "run_preflight"]
+
+
+def run_preflight(cfg: RunConfig) -> PreflightReport:
+    """Run every gate on a validated run config and return all findings (never raises on bad inputs;
+    an unexpected failure inside a gate becomes a `preflight.internal_error` problem)."""
+    report = PreflightReport()
+    target = _guarded(report, "target", lambda: target_gate(cfg, report))
+    gates: list[tuple[str, Callable[[RunConfig, TargetInfo | None, PreflightReport], None]]] = [
+        ("aux ids", aux_gate),
+        ("drafter", drafter_gate),
+        ("warm start", warm_start_gate),
+        ("data", data_gate),
+        ("disk", disk_gate),
+        ("memory", memory_gate),
+    ]
+    for name, gate in gates:
+        _guarded(report, name, lambda gate=gate: gate(cfg, target, report))
+    return report
+
+
+def _guarded(report: PreflightReport, name: str, call: Callable[[], Any]) -> Any:
+    try:
+        return call()
+    except Exception as exc:  # one broken gate must not hide the others' findings
+        report.error(
+            "preflight.internal_error",
+            f"the {name} check failed unexpectedly: {type(exc).__name__}: {exc}",
+            "report this as a dflash bug (with `dflash preflight --json` output); the other checks still ran",
+        )
+        return None
