@@ -190,6 +190,16 @@ def _special_ids(role: str, *configs: dict[str, Any]) -> tuple[int, ...]:
     return tuple(sorted(set().union(*(_token_ids(c.get(f"{role}_token_id")) for c in configs))))
 
 
+def special_token_ids(folder: Path, role: str) -> tuple[int, ...]:
+    """`{role}_token_id` ("eos", "pad", "bos") of a model folder over its config.json (text_config
+    merged) and generation_config.json, whichever exist (either may hold a list)."""
+    folder = Path(folder)
+    configs = [read_config(folder)] if (folder / "config.json").is_file() else []
+    if (folder / "generation_config.json").is_file():
+        configs.append(read_json(folder / "generation_config.json"))
+    return _special_ids(role, *configs)
+
+
 @dataclass(frozen=True)
 class TargetInfo:
     """The target's shapes and special token ids, read from its config.json (text_config for multimodal)

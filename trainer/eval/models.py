@@ -135,20 +135,18 @@ def load_drafter(folder: Path, target_dir: Path, device: torch.device):
 
 
 def _check_pair(config, folder: Path, target_dir: Path) -> None:
-    tcfg_path = target_dir / "config.json"
-    if not tcfg_path.is_file():
+    from trainer.target import TargetInfo
+
+    if not (target_dir / "config.json").is_file():
         raise ModelError(f"--target {target_dir}: no config.json (a transformers model folder is needed)")
-    tcfg = json.loads(tcfg_path.read_text())
-    tcfg = tcfg.get("text_config", tcfg)
+    tinfo = TargetInfo.from_folder(target_dir)
     tl = config.transformer_layer_config
-    if int(tl.hidden_size) != int(tcfg["hidden_size"]):
+    if int(tl.hidden_size) != tinfo.hidden:
         raise ModelError(
             f"{folder}: drafter hidden size {tl.hidden_size} != target {target_dir} hidden size "
-            f"{tcfg['hidden_size']}: this drafter was trained for another target"
+            f"{tinfo.hidden}: this drafter was trained for another target"
         )
-    if int(tl.vocab_size) != int(tcfg["vocab_size"]):
-        raise ModelError(
-            f"{folder}: drafter vocabulary {tl.vocab_size} != target vocabulary {tcfg['vocab_size']}"
-        )
+    if int(tl.vocab_size) != tinfo.vocab:
+        raise ModelError(f"{folder}: drafter vocabulary {tl.vocab_size} != target vocabulary {tinfo.vocab}")
     if config.mask_token_id is None:
         raise ModelError(f"{folder}: config.json has no mask_token_id")

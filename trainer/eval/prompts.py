@@ -151,12 +151,9 @@ def encode(lines: list[PromptLine], tokenizer, settings: TemplateSettings) -> li
 def stop_token_ids(target_dir: Path, tokenizer) -> list[int]:
     """Token ids that end a response: the config's / generation config's eos, and the chat
     template's end-of-turn token when the tokenizer has one."""
-    ids: set[int] = set()
-    for name in ("generation_config.json", "config.json"):
-        f = Path(target_dir) / name
-        if f.is_file():
-            eos = json.loads(f.read_text()).get("eos_token_id")
-            ids.update(eos if isinstance(eos, list) else ([eos] if eos is not None else []))
+    from trainer.target import special_token_ids
+
+    ids: set[int] = set(special_token_ids(Path(target_dir), "eos"))
     if tokenizer is not None:
         if tokenizer.eos_token_id is not None:
             ids.add(int(tokenizer.eos_token_id))
