@@ -35,14 +35,30 @@ def tiny_setup(root: Path) -> tuple[Path, Path]:
 
     target = tiny_target(root / "target")
     rng = np.random.default_rng(0)
-    data = greedy_dataset(target, [rng.integers(3, 500, size=8).tolist() for _ in range(48)], 56, root / "data")
-    raw = {"target": {"path": str(target)}, "data": {"path": str(data)}, "out_dir": str(root / "run"),
-           "drafter": {"num_layers": 1, "block_size": 8, "aux_layer_ids": [1, 2], "mask_token_id": 511},
-           "train": {"max_steps": 150, "lr": 3e-3, "warmup_steps": 2, "max_tokens_per_batch": 256,
-                     "max_anchors": 32, "checkpoint_every": 1000}}
+    data = greedy_dataset(
+        target, [rng.integers(3, 500, size=8).tolist() for _ in range(48)], 56, root / "data"
+    )
+    raw = {
+        "target": {"path": str(target)},
+        "data": {"path": str(data)},
+        "out_dir": str(root / "run"),
+        "drafter": {"num_layers": 1, "block_size": 8, "aux_layer_ids": [1, 2], "mask_token_id": 511},
+        "train": {
+            "max_steps": 150,
+            "lr": 3e-3,
+            "warmup_steps": 2,
+            "max_tokens_per_batch": 256,
+            "max_anchors": 32,
+            "checkpoint_every": 1000,
+        },
+    }
     (root / "run.yaml").write_text(yaml.safe_dump(raw))
-    subprocess.run([sys.executable, "-m", "trainer.cli", "train", "--config", str(root / "run.yaml")],
-                   check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    subprocess.run(
+        [sys.executable, "-m", "trainer.cli", "train", "--config", str(root / "run.yaml")],
+        check=True,
+        capture_output=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     return root / "run", target
 
 
@@ -50,7 +66,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--drafter", type=Path)
     ap.add_argument("--target", type=Path)
-    ap.add_argument("--prompts", type=Path, help="prompt file (default: random ids, or docstrings with a tokenizer)")
+    ap.add_argument(
+        "--prompts", type=Path, help="prompt file (default: random ids, or docstrings with a tokenizer)"
+    )
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--limit", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=64, help="length of the random prompts (no tokenizer)")
@@ -87,8 +105,11 @@ def main() -> int:
     else:
         from trainer.demo.synth import stdlib_docstrings
 
-        prompts = P.encode([P.PromptLine(i, "prompt", t) for i, t in enumerate(stdlib_docstrings(args.limit, seed=1))],
-                           tok, settings)
+        prompts = P.encode(
+            [P.PromptLine(i, "prompt", t) for i, t in enumerate(stdlib_docstrings(args.limit, seed=1))],
+            tok,
+            settings,
+        )
     stop = set(P.stop_token_ids(args.target, tok))
     speculate(target, drafter, prompts[0], 8, B, stop)  # warm-up (lazy inits) for both paths
     speculate_reference(reference, drafter, prompts[0], 8, B, stop)
@@ -108,16 +129,21 @@ def main() -> int:
         fast_acc += a.accepted
         slow_acc += b.accepted
         same &= a.tokens == b.tokens and a.accepted == b.accepted
-        print(f"prompt {i}: {len(p)} prompt tokens, {len(a.tokens)} new, tau {a.tau or 0:.3f}; "
-              f"harness {t1 - t0:.2f}s, reference {t2 - t1:.2f}s", flush=True)
+        print(
+            f"prompt {i}: {len(p)} prompt tokens, {len(a.tokens)} new, tau {a.tau or 0:.3f}; "
+            f"harness {t1 - t0:.2f}s, reference {t2 - t1:.2f}s",
+            flush=True,
+        )
     tau_fast = (sum(fast_acc) + len(fast_acc)) / max(1, len(fast_acc))
     tau_slow = (sum(slow_acc) + len(slow_acc)) / max(1, len(slow_acc))
     fast_tps, slow_tps = fast_n / fast_t, slow_n / slow_t
     ratio = fast_tps / slow_tps
     print(f"harness:   {fast_tps:8.1f} tokens/s, tau {tau_fast:.4f} ({len(fast_acc)} rounds)")
     print(f"reference: {slow_tps:8.1f} tokens/s, tau {tau_slow:.4f} ({len(slow_acc)} rounds)")
-    print(f"identical tokens and accepted lengths: {same}; block {B}, {len(prompts)} prompts, "
-          f"{args.max_new_tokens} new tokens, {args.threads} thread(s)")
+    print(
+        f"identical tokens and accepted lengths: {same}; block {B}, {len(prompts)} prompts, "
+        f"{args.max_new_tokens} new tokens, {args.threads} thread(s)"
+    )
     print(f"ratio: {ratio:.2f} (goal: >= {GOAL}, tau identical)")
     return 0 if ratio >= GOAL and same and tau_fast == tau_slow else 1
 

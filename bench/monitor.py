@@ -49,9 +49,26 @@ class Monitor:
     """`dflash monitor --port 0` as a subprocess, and a keep-alive-free HTTP client for it."""
 
     def __init__(self, run_dir: Path, *extra: str):
-        self.proc = subprocess.Popen([sys.executable, "-m", "trainer.cli", "monitor", "--run-dir", str(run_dir),
-                                      "--port", "0", "--disk-min-gb", "0", *extra],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV, cwd=REPO)
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "trainer.cli",
+                "monitor",
+                "--run-dir",
+                str(run_dir),
+                "--port",
+                "0",
+                "--disk-min-gb",
+                "0",
+                *extra,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=ENV,
+            cwd=REPO,
+        )
         line = self.proc.stdout.readline()
         if "watching" not in line:
             raise SystemExit(f"monitor did not start: {line}{self.proc.stdout.read()}")
@@ -79,21 +96,46 @@ class Monitor:
 
 
 def start(w: EventWriter, total: int) -> None:
-    w.emit("run_start", schema_version=1, config={}, resumed_from=None, start_step=0, tokens=0,
-           layout={"world_size": 1, "device": "cuda:0", "precision": "bf16-autocast"},
-           totals={"total_steps": total, "total_tokens": total * 8192}, pid=os.getpid())
+    w.emit(
+        "run_start",
+        schema_version=1,
+        config={},
+        resumed_from=None,
+        start_step=0,
+        tokens=0,
+        layout={"world_size": 1, "device": "cuda:0", "precision": "bf16-autocast"},
+        totals={"total_steps": total, "total_tokens": total * 8192},
+        pid=os.getpid(),
+    )
 
 
 def step(w: EventWriter, s: int, total: int, t: float | None = None) -> None:
-    fields = {"step": s, "total_steps": total, "tokens": s * 8192, "loss": 2 + math.exp(-s / 5000) + 0.05 * math.sin(s),
-              "eal": 3.0 - math.exp(-s / 8000), "acc": 0.5, "position_acc": [0.8 - 0.05 * k for k in range(15)],
-              "lr": 3e-4, "grad_norm": 0.9, "batch_tokens": 8192, "supervised_tokens": 8000, "docs": 4,
-              "tokens_per_s": 80000.0, "target_s": 0.05, "drafter_s": 0.04, "step_s": 0.1,
-              "gpu_allocated_gb": 60.1, "gpu_peak_gb": 71.3}
+    fields = {
+        "step": s,
+        "total_steps": total,
+        "tokens": s * 8192,
+        "loss": 2 + math.exp(-s / 5000) + 0.05 * math.sin(s),
+        "eal": 3.0 - math.exp(-s / 8000),
+        "acc": 0.5,
+        "position_acc": [0.8 - 0.05 * k for k in range(15)],
+        "lr": 3e-4,
+        "grad_norm": 0.9,
+        "batch_tokens": 8192,
+        "supervised_tokens": 8000,
+        "docs": 4,
+        "tokens_per_s": 80000.0,
+        "target_s": 0.05,
+        "drafter_s": 0.04,
+        "step_s": 0.1,
+        "gpu_allocated_gb": 60.1,
+        "gpu_peak_gb": 71.3,
+    }
     if t is None:
         w.emit("step", **fields)
     else:  # an hour compressed: the same line the writer makes, with a synthetic clock
-        line = json.dumps({"event": "step", "time": round(t, 3), "run_id": w.run_id, **fields}, separators=(",", ":"))
+        line = json.dumps(
+            {"event": "step", "time": round(t, 3), "run_id": w.run_id, **fields}, separators=(",", ":")
+        )
         w._append(w.path, line + "\n")
 
 
@@ -139,15 +181,20 @@ def bench_latency(tmp: Path, reps: int) -> dict:
             return out
         base = 2 + reps
         with sync_playwright() as p:
-            b = p.chromium.launch(executable_path="/usr/bin/chromium", args=["--headless", "--no-sandbox", "--disable-gpu"])
+            b = p.chromium.launch(
+                executable_path="/usr/bin/chromium", args=["--headless", "--no-sandbox", "--disable-gpu"]
+            )
             page = b.new_page()
             page.goto(mon.url)
-            page.wait_for_function(f"() => document.getElementById('progress-bar').dataset.step == '{base - 1}'")
+            page.wait_for_function(
+                f"() => document.getElementById('progress-bar').dataset.step == '{base - 1}'"
+            )
             page.evaluate("""() => { window.__at = {}; window.__log = {};
               new MutationObserver(() => { const s = document.getElementById('progress-bar').dataset.step;
                 if (!(s in window.__at)) window.__at[s] = Date.now(); })
                 .observe(document.getElementById('progress-bar'), {attributes: true});
-              new MutationObserver(() => { for (const m of document.getElementById('log').textContent.matchAll(/mark-(\\d+)/g))
+              new MutationObserver(() => {
+                for (const m of document.getElementById('log').textContent.matchAll(/mark-(\\d+)/g))
                 if (!(m[1] in window.__log)) window.__log[m[1]] = Date.now(); })
                 .observe(document.getElementById('log'), {childList: true, subtree: true}); }""")
             page_ms, log_ms = [], []
@@ -168,7 +215,11 @@ def bench_latency(tmp: Path, reps: int) -> dict:
 
 # ---------------------------------------------------------------- (b)
 def write_big_log(path: Path, gb: float) -> int:
-    line = b"2026-01-01 00:00:00 step 123456/999999 loss 2.3456 eal 3.210 lr 2.50e-04 81234 tok/s  " + b"." * 40 + b"\n"
+    line = (
+        b"2026-01-01 00:00:00 step 123456/999999 loss 2.3456 eal 3.210 lr 2.50e-04 81234 tok/s  "
+        + b"." * 40
+        + b"\n"
+    )
     block = line * (4 * 2**20 // len(line))
     n = 0
     with open(path, "wb") as fh:
@@ -207,7 +258,9 @@ def bench_tail(tmp: Path, gb: float, reps: int) -> dict:
     finally:
         mon.close()
     # the naive way, side by side (one rep: it reads the whole file)
-    os.posix_fadvise(os.open(run / "train.log", os.O_RDONLY), 0, 0, os.POSIX_FADV_DONTNEED) if hasattr(os, "posix_fadvise") else None
+    os.posix_fadvise(os.open(run / "train.log", os.O_RDONLY), 0, 0, os.POSIX_FADV_DONTNEED) if hasattr(
+        os, "posix_fadvise"
+    ) else None
     t0 = time.perf_counter()
     with open(run / "train.log", "rb") as fh:
         last = deque(fh, maxlen=2000)
@@ -235,8 +288,15 @@ def bench_rss(tmp: Path, rate: float) -> dict:
     for s in range(1, n + 1):
         step(w, s, n, t + s / rate)
         if s % 500 == 0:
-            w.emit("checkpoint", step=s, name=f"step-{s:08d}", path=str(run / "checkpoints" / f"step-{s:08d}"),
-                   size_bytes=3 * 2**30, seconds=4.2, reason="periodic")
+            w.emit(
+                "checkpoint",
+                step=s,
+                name=f"step-{s:08d}",
+                path=str(run / "checkpoints" / f"step-{s:08d}"),
+                size_bytes=3 * 2**30,
+                seconds=4.2,
+                reason="periodic",
+            )
         if s % 10 == 0:
             lines.append(f"2026-01-01 00:00:00 step {s}/{n} loss 2.1 eal 3.0 lr 3.0e-04 80000 tok/s\n")
     with open(run / "train.log", "w") as fh:
@@ -249,7 +309,12 @@ def bench_rss(tmp: Path, rate: float) -> dict:
             time.sleep(0.05)
         ingest = time.perf_counter() - t0
         # a page open on it, and the endpoints a dashboard polls
-        for path in ("/api/curves?points=4000", "/metrics", "/api/events?since=0&limit=5000", "/api/log?lines=1000"):
+        for path in (
+            "/api/curves?points=4000",
+            "/metrics",
+            "/api/events?since=0&limit=5000",
+            "/api/log?lines=1000",
+        ):
             mon.get(path)
         conn = http.client.HTTPConnection("127.0.0.1", mon.port, timeout=30)
         conn.request("GET", "/api/stream")
@@ -266,12 +331,15 @@ def bench_rss(tmp: Path, rate: float) -> dict:
 
 def fmt(xs: list[float]) -> str:
     xs = sorted(xs)
-    return f"median {statistics.median(xs):.1f} ms, p95 {xs[max(0, math.ceil(0.95 * len(xs)) - 1)]:.1f} ms, max {xs[-1]:.1f} ms"
+    p95 = xs[max(0, math.ceil(0.95 * len(xs)) - 1)]
+    return f"median {statistics.median(xs):.1f} ms, p95 {p95:.1f} ms, max {xs[-1]:.1f} ms"
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rate", type=float, default=10.0, help="step events a second for the hour-equivalent (default 10)")
+    ap.add_argument(
+        "--rate", type=float, default=10.0, help="step events a second for the hour-equivalent (default 10)"
+    )
     ap.add_argument("--log-gb", type=float, default=1.0)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--keep", type=Path, help="work in this folder and keep it")
@@ -287,25 +355,42 @@ def main() -> int:
             print(f"latency event -> page (progress bar): {fmt(lat['page_ms'])}")
             print(f"latency log line -> page (log tail):  {fmt(lat['log_ms'])}")
             worst = max(statistics.median(lat["page_ms"]), statistics.median(lat["log_ms"]))
-        print(f"ratio: {worst / GOALS['latency_ms']:.3f} of the latency goal (median {worst:.0f} ms, goal <= 1000 ms)")
+        print(
+            f"ratio: {worst / GOALS['latency_ms']:.3f} of the latency goal (median {worst:.0f} ms, goal <= "
+            "1000 ms)"
+        )
         ok &= worst <= GOALS["latency_ms"]
 
         tail = bench_tail(tmp, args.log_gb, args.reps)
-        print(f"tail: monitor start -> first status with a {args.log_gb:g} GiB log: {tail['first_status_ms']:.0f} ms "
-              f"(RSS {tail['rss_mb']:.0f} MB)")
+        print(
+            f"tail: monitor start -> first status with a {args.log_gb:g} GiB log: "
+            f"{tail['first_status_ms']:.0f} ms "
+            f"(RSS {tail['rss_mb']:.0f} MB)"
+        )
         print(f"tail: GET /api/log?lines=200 (memory ring): {fmt(tail['api_log_200_ms'])}")
-        print(f"tail: GET /api/log?lines=2000 (read backwards from the file's end): {fmt(tail['api_log_2000_ms'])}")
+        print(
+            "tail: GET /api/log?lines=2000 (read backwards from the file's end): "
+            f"{fmt(tail['api_log_2000_ms'])}"
+        )
         print(f"tail: naive tail reading the whole file, same 2000 lines: {tail['naive_2000_ms']:.0f} ms")
         t = statistics.median(tail["api_log_2000_ms"])
-        print(f"ratio: {t / GOALS['tail_ms']:.3f} of the tail goal (median {t:.1f} ms, goal <= 50 ms); "
-              f"{tail['naive_2000_ms'] / t:.0f}x faster than the naive tail")
+        print(
+            f"ratio: {t / GOALS['tail_ms']:.3f} of the tail goal (median {t:.1f} ms, goal <= 50 ms); "
+            f"{tail['naive_2000_ms'] / t:.0f}x faster than the naive tail"
+        )
         ok &= t <= GOALS["tail_ms"]
         shutil.rmtree(tmp / "biglog", ignore_errors=True) if not args.keep else None
 
         rss = bench_rss(tmp, args.rate)
-        print(f"rss: {rss['events']} step events ({rss['events_mb']:.1f} MB events.jsonl) ingested in {rss['ingest_s']:.1f}s; "
-              f"server RSS {rss['rss_mb']:.1f} MB vs {rss['rss_empty_mb']:.1f} MB on an empty run")
-        print(f"ratio: {rss['rss_mb'] / GOALS['rss_mb']:.3f} of the RSS goal ({rss['rss_mb']:.1f} MB, goal <= 100 MB)")
+        print(
+            f"rss: {rss['events']} step events ({rss['events_mb']:.1f} MB events.jsonl) ingested in "
+            f"{rss['ingest_s']:.1f}s; "
+            f"server RSS {rss['rss_mb']:.1f} MB vs {rss['rss_empty_mb']:.1f} MB on an empty run"
+        )
+        print(
+            f"ratio: {rss['rss_mb'] / GOALS['rss_mb']:.3f} of the RSS goal ({rss['rss_mb']:.1f} MB, goal <= "
+            "100 MB)"
+        )
         ok &= rss["rss_mb"] <= GOALS["rss_mb"]
     finally:
         if not args.keep:

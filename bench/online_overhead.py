@@ -62,12 +62,16 @@ def part_a(target: Path, tokens: int, reps: int, work: Path) -> dict:
 
     vocab = json.loads((target / "config.json").read_text())["vocab_size"]
     data = make_dataset(work / "data", vocab, tokens)
-    cfg = config_from_dict({
-        "target": {"path": str(target)}, "data": {"path": str(data), "max_length": tokens},
-        "drafter": {"num_layers": 1, "block_size": 8, "aux_layer_ids": AUX, "mask_token_id": 16},
-        "train": {"max_steps": 10_000, "max_tokens_per_batch": tokens, "max_anchors": 64},
-        "out_dir": str(work / "out"),
-    }, work)
+    cfg = config_from_dict(
+        {
+            "target": {"path": str(target)},
+            "data": {"path": str(data), "max_length": tokens},
+            "drafter": {"num_layers": 1, "block_size": 8, "aux_layer_ids": AUX, "mask_token_id": 16},
+            "train": {"max_steps": 10_000, "max_tokens_per_batch": tokens, "max_anchors": 64},
+            "out_dir": str(work / "out"),
+        },
+        work,
+    )
     tr = Trainer(cfg, Dist(), EventWriter(work / "out", "bench", enabled=False))
     tr.build()
     batches = [tr.next_batch() for _ in range(reps + 2)]
@@ -93,11 +97,19 @@ def part_a(target: Path, tokens: int, reps: int, work: Path) -> dict:
         samples["drafter"].append(t3 - t2)
     med = {k: statistics.median(v) for k, v in samples.items()}
     agree_s = statistics.median(
-        [(lambda t: (tr.target_agreement(batches[0], caps[0]), time.perf_counter() - t)[1])(time.perf_counter())
-         for _ in range(3)])
+        [
+            (lambda t: (tr.target_agreement(batches[0], caps[0]), time.perf_counter() - t)[1])(
+                time.perf_counter()
+            )
+            for _ in range(3)
+        ]
+    )
     return {
-        "agreement_check_s": agree_s, "agreement_every": cfg.train.agreement_every,
-        "online_step_s": med["online"], "target_capture_s": med["target"], "drafter_step_s": med["drafter"],
+        "agreement_check_s": agree_s,
+        "agreement_every": cfg.train.agreement_every,
+        "online_step_s": med["online"],
+        "target_capture_s": med["target"],
+        "drafter_step_s": med["drafter"],
         "ratio": med["online"] / (med["target"] + med["drafter"]),
         "threads": torch.get_num_threads(),
     }
@@ -179,15 +191,24 @@ def part_b(target: Path, tokens: int, reps: int) -> dict:
     kept_f = kept_hidden + out.logits.nbytes
     peaks = {}
     for mode in ("hooked", "full"):
-        res = subprocess.run([sys.executable, __file__, "--child", mode, "--target", str(target), "--tokens", str(tokens)],
-                             capture_output=True, text=True, check=True)
+        res = subprocess.run(
+            [sys.executable, __file__, "--child", mode, "--target", str(target), "--tokens", str(tokens)],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         peaks[mode] = json.loads(res.stdout.strip().splitlines()[-1])["peak_growth_mb"]
     return {
-        "hooked_s": statistics.median(t_h), "full_s": statistics.median(t_f),
+        "hooked_s": statistics.median(t_h),
+        "full_s": statistics.median(t_f),
         "speedup": statistics.median(t_f) / statistics.median(t_h),
-        "kept_bytes_hooked": kept_h, "kept_bytes_full_hidden_states": kept_hidden, "kept_bytes_full_with_logits": kept_f,
-        "kept_ratio_vs_hidden_states": kept_h / kept_hidden, "bound": (len(AUX) + 1) / (L + 1),
-        "peak_rss_growth_mb_hooked": peaks["hooked"], "peak_rss_growth_mb_full": peaks["full"],
+        "kept_bytes_hooked": kept_h,
+        "kept_bytes_full_hidden_states": kept_hidden,
+        "kept_bytes_full_with_logits": kept_f,
+        "kept_ratio_vs_hidden_states": kept_h / kept_hidden,
+        "bound": (len(AUX) + 1) / (L + 1),
+        "peak_rss_growth_mb_hooked": peaks["hooked"],
+        "peak_rss_growth_mb_full": peaks["full"],
         "num_layers": L,
     }
 
@@ -211,25 +232,43 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         a = part_a(target, args.tokens, args.reps, Path(tmp))
     b = part_b(target, args.tokens, args.reps)
-    print(f"target {target} ({b['num_layers']} layers), {args.tokens} tokens per batch, aux ids {AUX}, "
-          f"{a['threads']} threads")
+    print(
+        f"target {target} ({b['num_layers']} layers), {args.tokens} tokens per batch, aux ids {AUX}, "
+        f"{a['threads']} threads"
+    )
     print("(a) online overhead")
     print(f"    online step       {a['online_step_s'] * 1e3:9.1f} ms")
     print(f"    target capture    {a['target_capture_s'] * 1e3:9.1f} ms  (alone)")
     print(f"    drafter step      {a['drafter_step_s'] * 1e3:9.1f} ms  (alone, fwd+bwd+AdamW)")
-    print(f"    (+ target-agreement check {a['agreement_check_s'] * 1e3:.0f} ms every {a['agreement_every']} steps: "
-          f"{a['agreement_check_s'] / a['agreement_every'] / a['online_step_s']:.1%} of a step amortised)")
-    print(f"    ratio online/(target+drafter) = {a['ratio']:.3f}   goal <= 1.05  "
-          f"{'OK' if a['ratio'] <= 1.05 else 'MISSED'}")
+    print(
+        f"    (+ target-agreement check {a['agreement_check_s'] * 1e3:.0f} ms every {a['agreement_every']} "
+        "steps: "
+        f"{a['agreement_check_s'] / a['agreement_every'] / a['online_step_s']:.1%} of a step amortised)"
+    )
+    print(
+        f"    ratio online/(target+drafter) = {a['ratio']:.3f}   goal <= 1.05  "
+        f"{'OK' if a['ratio'] <= 1.05 else 'MISSED'}"
+    )
     print("(b) hooked truncated capture vs output_hidden_states=True full forward")
-    print(f"    hooked {b['hooked_s'] * 1e3:.1f} ms, full {b['full_s'] * 1e3:.1f} ms -> speedup {b['speedup']:.2f}x   "
-          f"goal >= 1.15x  {'OK' if b['speedup'] >= 1.15 else 'MISSED'}")
-    print(f"    kept feature bytes: hooked {b['kept_bytes_hooked'] / 2**20:.1f} MiB, full hidden_states "
-          f"{b['kept_bytes_full_hidden_states'] / 2**20:.1f} MiB (+ logits: {b['kept_bytes_full_with_logits'] / 2**20:.1f} MiB)")
-    print(f"    ratio {b['kept_ratio_vs_hidden_states']:.3f} vs bound (n_aux+1)/(L+1) = {b['bound']:.3f}  "
-          f"{'OK' if b['kept_ratio_vs_hidden_states'] <= b['bound'] + 1e-9 else 'MISSED'}")
-    print(f"    peak RSS growth of one forward (fresh processes): hooked {b['peak_rss_growth_mb_hooked']:.0f} MB, "
-          f"full {b['peak_rss_growth_mb_full']:.0f} MB")
+    print(
+        f"    hooked {b['hooked_s'] * 1e3:.1f} ms, full {b['full_s'] * 1e3:.1f} ms -> speedup "
+        f"{b['speedup']:.2f}x   "
+        f"goal >= 1.15x  {'OK' if b['speedup'] >= 1.15 else 'MISSED'}"
+    )
+    print(
+        f"    kept feature bytes: hooked {b['kept_bytes_hooked'] / 2**20:.1f} MiB, full hidden_states "
+        f"{b['kept_bytes_full_hidden_states'] / 2**20:.1f} MiB (+ logits: "
+        f"{b['kept_bytes_full_with_logits'] / 2**20:.1f} MiB)"
+    )
+    print(
+        f"    ratio {b['kept_ratio_vs_hidden_states']:.3f} vs bound (n_aux+1)/(L+1) = {b['bound']:.3f}  "
+        f"{'OK' if b['kept_ratio_vs_hidden_states'] <= b['bound'] + 1e-9 else 'MISSED'}"
+    )
+    print(
+        f"    peak RSS growth of one forward (fresh processes): hooked {b['peak_rss_growth_mb_hooked']:.0f} "
+        "MB, "
+        f"full {b['peak_rss_growth_mb_full']:.0f} MB"
+    )
     print(f"wall time {time.monotonic() - t_start:.0f} s")
     print(json.dumps({"a": a, "b": b}))
     return 0

@@ -47,7 +47,9 @@ def main() -> int:
     ap.add_argument("--regen-tokens", type=int, default=128)
     ap.add_argument("--regen-batch", type=int, default=16)
     ap.add_argument("--train-minutes", type=float, default=30.0)
-    ap.add_argument("--train-steps", type=int, default=None, help="cosine length (default: 0.7 steps/s x minutes)")
+    ap.add_argument(
+        "--train-steps", type=int, default=None, help="cosine length (default: 0.7 steps/s x minutes)"
+    )
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--block", type=int, default=8)
     ap.add_argument("--lr", type=float, default=1e-3)
@@ -58,8 +60,8 @@ def main() -> int:
     import yaml
 
     from trainer.demo import synth
-    from trainer.eval.prompts import write_prompt_file
     from trainer.demo.smollm import ensure_smollm2
+    from trainer.eval.prompts import write_prompt_file
 
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     dflash = [sys.executable, "-m", "trainer.cli"]
@@ -80,9 +82,26 @@ def main() -> int:
 
     t0 = time.monotonic()
     data = out / "data"
-    subprocess.run([*dflash, "regenerate", "--target", str(target), "--prompts", str(out / "train.jsonl"),
-                    "--out", str(data), "--max-new-tokens", str(args.regen_tokens),
-                    "--batch-size", str(args.regen_batch), "--device", "cpu"], env=env, check=True)
+    subprocess.run(
+        [
+            *dflash,
+            "regenerate",
+            "--target",
+            str(target),
+            "--prompts",
+            str(out / "train.jsonl"),
+            "--out",
+            str(data),
+            "--max-new-tokens",
+            str(args.regen_tokens),
+            "--batch-size",
+            str(args.regen_batch),
+            "--device",
+            "cpu",
+        ],
+        env=env,
+        check=True,
+    )
     meta = json.loads((data / "dflash_data.json").read_text())
     times["regenerate"] = phase(f"regenerate ({meta['response_tokens_total']} response tokens)", t0)
 
@@ -90,10 +109,23 @@ def main() -> int:
     raw = {
         "target": {"path": str(target)},
         "data": {"path": str(data), "max_length": 1024},
-        "drafter": {"num_layers": args.layers, "block_size": args.block, "aux_layer_ids": AUX, "mask_token_id": MASK},
-        "train": {"max_steps": steps, "lr": args.lr, "warmup_steps": max(1, steps // 25), "gamma": 7.0,
-                  "max_anchors": 80, "max_tokens_per_batch": args.tokens_per_step, "checkpoint_every": max(50, steps // 10),
-                  "log_every": 10, "device": "cpu"},
+        "drafter": {
+            "num_layers": args.layers,
+            "block_size": args.block,
+            "aux_layer_ids": AUX,
+            "mask_token_id": MASK,
+        },
+        "train": {
+            "max_steps": steps,
+            "lr": args.lr,
+            "warmup_steps": max(1, steps // 25),
+            "gamma": 7.0,
+            "max_anchors": 80,
+            "max_tokens_per_batch": args.tokens_per_step,
+            "checkpoint_every": max(50, steps // 10),
+            "log_every": 10,
+            "device": "cpu",
+        },
         "out_dir": str(out / "run"),
     }
     (out / "run.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
@@ -125,21 +157,46 @@ def main() -> int:
 
     t0 = time.monotonic()
     report = out / "eval" / "compare.json"
-    subprocess.run([*dflash, "eval", "--drafter", str(untrained), "--drafter", str(out / "run"),
-                    "--target", str(target), "--prompts", str(out / "heldout.jsonl"),
-                    "--max-new-tokens", str(args.eval_tokens), "--block-size", str(args.block),
-                    "--device", "cpu", "--check-lossless", "4", "--out", str(report)], env=env, check=True)
+    subprocess.run(
+        [
+            *dflash,
+            "eval",
+            "--drafter",
+            str(untrained),
+            "--drafter",
+            str(out / "run"),
+            "--target",
+            str(target),
+            "--prompts",
+            str(out / "heldout.jsonl"),
+            "--max-new-tokens",
+            str(args.eval_tokens),
+            "--block-size",
+            str(args.block),
+            "--device",
+            "cpu",
+            "--check-lossless",
+            "4",
+            "--out",
+            str(report),
+        ],
+        env=env,
+        check=True,
+    )
     times["eval"] = phase("eval (untrained vs trained, held-out prompts)", t0)
     doc = json.loads(report.read_text())
     before, after = doc["reports"]
     total = time.monotonic() - t_all
     summary = {
-        "tau_untrained": before["tau"], "tau_trained": after["tau"],
+        "tau_untrained": before["tau"],
+        "tau_trained": after["tau"],
         "per_position_acceptance_trained": after["per_position_acceptance"],
         "lossless_ok": [before["lossless"]["ok"], after["lossless"]["ok"]],
-        "train_steps_done": last.get("step"), "train_tokens": last.get("tokens"),
+        "train_steps_done": last.get("step"),
+        "train_tokens": last.get("tokens"),
         "train_eal_last20_mean": sum(eal_tail) / len(eal_tail) if eal_tail else None,
-        "regenerated_samples": meta["samples"], "response_tokens": meta["response_tokens_total"],
+        "regenerated_samples": meta["samples"],
+        "response_tokens": meta["response_tokens_total"],
         "minutes": {k: round(v / 60, 2) for k, v in times.items()} | {"total": round(total / 60, 2)},
         "goal": "tau >= 2.0 at block 8 within 60 CPU-minutes",
         "goal_met": bool(after["tau"] and after["tau"] >= 2.0 and total <= 3600 and args.block == 8),

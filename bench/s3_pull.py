@@ -43,15 +43,35 @@ def make_set(root: Path, gb: float) -> int:
 
 
 def pull(url: str, dest: Path, endpoint: str, *extra: str) -> dict:
-    res = subprocess.run([DFLASH, "s3", "pull", url, str(dest), "--endpoint-url", endpoint, "--json", "--no-progress",
-                          "--workers", str(WORKERS), *extra], env=s3_env(), capture_output=True, text=True, check=True)
+    res = subprocess.run(
+        [
+            DFLASH,
+            "s3",
+            "pull",
+            url,
+            str(dest),
+            "--endpoint-url",
+            endpoint,
+            "--json",
+            "--no-progress",
+            "--workers",
+            str(WORKERS),
+            *extra,
+        ],
+        env=s3_env(),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(res.stdout)
 
 
 def plain(s3c, bucket: str, prefix: str, dest: Path) -> None:
     from boto3.s3.transfer import TransferConfig
 
-    cfg = TransferConfig(max_concurrency=WORKERS, multipart_threshold=16 * 2**20, multipart_chunksize=16 * 2**20)
+    cfg = TransferConfig(
+        max_concurrency=WORKERS, multipart_threshold=16 * 2**20, multipart_chunksize=16 * 2**20
+    )
     keys = [o["Key"] for o in s3c.list_objects_v2(Bucket=bucket, Prefix=prefix + "/")["Contents"]]
     dest.mkdir(parents=True)
     for key in keys:
@@ -68,10 +88,26 @@ def main() -> int:
         s3c = client(rgw.endpoint_url)
         s3c.create_bucket(Bucket="bench")
         size = make_set(work / "src", args.gb)
-        subprocess.run([DFLASH, "s3", "push", str(work / "src"), "s3://bench/set", "--endpoint-url", rgw.endpoint_url,
-                        "--no-progress"], env=s3_env(), check=True, capture_output=True)
-        print(f"set: {size / 2**30:.2f} GiB in {len(list((work / 'src').iterdir()))} files, radosgw on loopback, "
-              f"{WORKERS} workers each")
+        subprocess.run(
+            [
+                DFLASH,
+                "s3",
+                "push",
+                str(work / "src"),
+                "s3://bench/set",
+                "--endpoint-url",
+                rgw.endpoint_url,
+                "--no-progress",
+            ],
+            env=s3_env(),
+            check=True,
+            capture_output=True,
+        )
+        print(
+            f"set: {size / 2**30:.2f} GiB in {len(list((work / 'src').iterdir()))} files, radosgw on "
+            "loopback, "
+            f"{WORKERS} workers each"
+        )
         times = {"plain": [], "verified": []}
         for rnd in range(2):  # alternate, so neither side always runs on a warmer server
             for kind in ("plain", "verified") if rnd == 0 else ("verified", "plain"):
@@ -88,17 +124,38 @@ def main() -> int:
         ratio = (size / v) / (size / p)
         print(f"plain boto3 download_file: {size / p / 2**20:.0f} MiB/s (best of {times['plain']})")
         print(f"dflash s3 pull (verified): {size / v / 2**20:.0f} MiB/s (best of {times['verified']})")
-        print(f"throughput ratio verified/plain: {ratio:.2f} (goal >= 0.8: {'OK' if ratio >= 0.8 else 'MISSED'})")
+        print(
+            f"throughput ratio verified/plain: {ratio:.2f} (goal >= 0.8: "
+            f"{'OK' if ratio >= 0.8 else 'MISSED'})"
+        )
 
         # kill at 50 %: a rate cap makes the moment reproducible; the re-run is uncapped
         dest = work / "killed"
         cap_kbps = int(size / 2**10 / 20)  # ~20 s for the whole set
-        proc = subprocess.Popen([DFLASH, "s3", "pull", "s3://bench/set", str(dest), "--endpoint-url", rgw.endpoint_url,
-                                 "--bwlimit-kbps", str(cap_kbps), "--workers", str(WORKERS), "--no-progress"],
-                                env=s3_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            [
+                DFLASH,
+                "s3",
+                "pull",
+                "s3://bench/set",
+                str(dest),
+                "--endpoint-url",
+                rgw.endpoint_url,
+                "--bwlimit-kbps",
+                str(cap_kbps),
+                "--workers",
+                str(WORKERS),
+                "--no-progress",
+            ],
+            env=s3_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
 
         def landed() -> int:
-            return sum(f.stat().st_size for f in dest.rglob("*") if f.is_file() and not f.name.endswith(".etag"))
+            return sum(
+                f.stat().st_size for f in dest.rglob("*") if f.is_file() and not f.name.endswith(".etag")
+            )
 
         while proc.poll() is None and landed() < size // 2:
             time.sleep(0.05)
@@ -109,9 +166,15 @@ def main() -> int:
         assert rep["ok"], rep
         extra = rep["downloaded_bytes"] - (size - kept)
         share = max(0, extra) / size
-        print(f"killed at {kept / size:.0%} ({kept} bytes on disk); re-run fetched {rep['downloaded_bytes']} bytes, "
-              f"{rep['resumed_bytes']} resumed from partial files, {rep['present']} files already complete")
-        print(f"re-sent beyond what was missing: {share:.1%} of the set (goal <= 10 %: {'OK' if share <= 0.10 else 'MISSED'})")
+        print(
+            f"killed at {kept / size:.0%} ({kept} bytes on disk); re-run fetched {rep['downloaded_bytes']} "
+            "bytes, "
+            f"{rep['resumed_bytes']} resumed from partial files, {rep['present']} files already complete"
+        )
+        print(
+            f"re-sent beyond what was missing: {share:.1%} of the set (goal <= 10 %: "
+            f"{'OK' if share <= 0.10 else 'MISSED'})"
+        )
     finally:
         rgw.stop()
         shutil.rmtree(work, ignore_errors=True)

@@ -50,7 +50,9 @@ def build_set(root: Path, large: int, large_mib: int, small: int) -> Path:
     return set_dir
 
 
-def baseline(client, bucket: str, prefix: str, set_dir: Path, files: list[str], sums: dict | None = None) -> float:
+def baseline(
+    client, bucket: str, prefix: str, set_dir: Path, files: list[str], sums: dict | None = None
+) -> float:
     t0 = time.perf_counter()
     for rel in files:
         extra = {"Metadata": {"sha256": sums[rel]}} if sums else {}
@@ -78,7 +80,9 @@ def main() -> int:
     if args.endpoint_url is None:
         os.environ.update(s3_env({}))
         t0 = time.perf_counter()
-        server = RadosGW(memstore_bytes=(args.large * args.large_mib * (args.rounds * 2 + 1) + 512) * 2**20).start()
+        server = RadosGW(
+            memstore_bytes=(args.large * args.large_mib * (args.rounds * 2 + 1) + 512) * 2**20
+        ).start()
         endpoint = server.endpoint_url
         print(f"radosgw up on {endpoint} in {time.perf_counter() - t0:.1f} s")
     else:
@@ -88,13 +92,19 @@ def main() -> int:
         from botocore.config import Config
 
         # the baseline: a plain client, one put_object per file, nothing computed beyond what boto3 does
-        plain = boto3.client("s3", endpoint_url=endpoint, config=Config(
-            request_checksum_calculation="when_required", s3={"addressing_style": "path"}))
+        plain = boto3.client(
+            "s3",
+            endpoint_url=endpoint,
+            config=Config(request_checksum_calculation="when_required", s3={"addressing_style": "path"}),
+        )
         # the same naive loop with the integrity push does: Content-MD5 on the request, sha256 metadata
         from trainer.s3.client import add_content_md5
 
-        checked = boto3.client("s3", endpoint_url=endpoint, config=Config(
-            request_checksum_calculation="when_required", s3={"addressing_style": "path"}))
+        checked = boto3.client(
+            "s3",
+            endpoint_url=endpoint,
+            config=Config(request_checksum_calculation="when_required", s3={"addressing_style": "path"}),
+        )
         checked.meta.events.register("before-call.s3.PutObject", add_content_md5)
         try:
             plain.create_bucket(Bucket=args.bucket)
@@ -103,11 +113,13 @@ def main() -> int:
         with tempfile.TemporaryDirectory(prefix="dflash-bench-salvage-") as tmp:
             set_dir = build_set(Path(tmp), args.large, args.large_mib, args.small)
 
-
             manifest = json.loads((set_dir / "MANIFEST.json").read_text())
             files = sorted(manifest["files"])
             total = sum(e["size"] for e in manifest["files"].values())
-            print(f"set: {len(files)} files, {total / 2**20:.1f} MiB ({args.large} x {args.large_mib} MiB + {args.small} small)")
+            print(
+                f"set: {len(files)} files, {total / 2**20:.1f} MiB ({args.large} x {args.large_mib} MiB + "
+                f"{args.small} small)"
+            )
             sums = {rel: e["sha256"] for rel, e in manifest["files"].items()}
             base_t, md5_t, push_t, verify_t = [], [], [], []
             for r in range(args.rounds):
@@ -115,7 +127,9 @@ def main() -> int:
                 m = baseline(checked, args.bucket, f"md5-{r}", set_dir, files, sums)
                 md5_t.append(m)
                 t0 = time.perf_counter()
-                rep = push(set_dir, f"s3://{args.bucket}/push-{r}", endpoint, workers=args.workers, progress=False)
+                rep = push(
+                    set_dir, f"s3://{args.bucket}/push-{r}", endpoint, workers=args.workers, progress=False
+                )
                 p = time.perf_counter() - t0
                 assert rep["ok"] and rep["uploaded"] == len(files), rep.get("failed")
                 t0 = time.perf_counter()
@@ -125,23 +139,38 @@ def main() -> int:
                 base_t.append(b)
                 push_t.append(p)
                 verify_t.append(v)
-                print(f"round {r}: put_object loop {total / 2**20 / b:7.1f} MiB/s ({b:.2f} s) | "
-                      f"same + Content-MD5 {total / 2**20 / m:7.1f} MiB/s ({m:.2f} s) | "
-                      f"salvage push {total / 2**20 / p:7.1f} MiB/s ({p:.2f} s) | verify read-back {v:.2f} s")
+                print(
+                    f"round {r}: put_object loop {total / 2**20 / b:7.1f} MiB/s ({b:.2f} s) | "
+                    f"same + Content-MD5 {total / 2**20 / m:7.1f} MiB/s ({m:.2f} s) | "
+                    f"salvage push {total / 2**20 / p:7.1f} MiB/s ({p:.2f} s) | verify read-back {v:.2f} s"
+                )
             t0 = time.perf_counter()
-            again = push(set_dir, f"s3://{args.bucket}/push-0", endpoint, workers=args.workers, progress=False)
+            again = push(
+                set_dir, f"s3://{args.bucket}/push-0", endpoint, workers=args.workers, progress=False
+            )
             second = time.perf_counter() - t0
             print(f"second push of an unchanged set: {again['uploaded_bytes']} bytes sent, {second:.2f} s")
         mb, mp, mv = statistics.median(base_t), statistics.median(push_t), statistics.median(verify_t)
-        print(f"verify (integrity: read back + sha256 of every object) adds {mv:.2f} s = {mv / mp:.2f} x the push time")
+        print(
+            f"verify (integrity: read back + sha256 of every object) adds {mv:.2f} s = {mv / mp:.2f} x the "
+            "push time"
+        )
         load_s = _loadability_seconds()
         if load_s is not None:
-            print(f"loadability of a real tiny run set (2 checkpoints + dataset, speculators import included): {load_s:.1f} s")
+            print(
+                "loadability of a real tiny run set (2 checkpoints + dataset, speculators import included): "
+                f"{load_s:.1f} s"
+            )
         mm = statistics.median(md5_t)
-        print(f"push vs the single-stream loop with the same integrity work (Content-MD5 + sha256 metadata): "
-              f"{mm / mp:.2f} x")
+        print(
+            f"push vs the single-stream loop with the same integrity work (Content-MD5 + sha256 metadata): "
+            f"{mm / mp:.2f} x"
+        )
         ratio = mb / mp
-        print(f"ratio: {ratio:.2f} (push MiB/s / single-stream put_object MiB/s, medians of {args.rounds}; goal: >= 1.0)")
+        print(
+            f"ratio: {ratio:.2f} (push MiB/s / single-stream put_object MiB/s, medians of {args.rounds}; "
+            "goal: >= 1.0)"
+        )
         return 0 if ratio >= 1.0 else 1
     finally:
         if server is not None:
@@ -155,18 +184,28 @@ def _loadability_seconds() -> float | None:
     import numpy as np
 
     from tests.conftest import write_config
+    from trainer.demo.synth import greedy_dataset, tiny_target
     from trainer.salvage.collect import collect
     from trainer.salvage.verify import verify_local
-    from trainer.demo.synth import greedy_dataset, tiny_target
 
     with tempfile.TemporaryDirectory(prefix="dflash-bench-load-") as tmp:
         root = Path(tmp)
         t = tiny_target(root / "target")
         rng = np.random.default_rng(0)
         d = greedy_dataset(t, [rng.integers(3, 500, size=8).tolist() for _ in range(16)], 32, root / "ds")
-        cfg = write_config(root / "run.yaml", t, d, root / "run",
-                           train={"max_steps": 4, "checkpoint_every": 2, "max_tokens_per_batch": 256, "max_anchors": 32})
-        res = subprocess.run([sys.executable, "-m", "trainer.cli", "train", "--config", str(cfg)], capture_output=True, text=True, check=False)
+        cfg = write_config(
+            root / "run.yaml",
+            t,
+            d,
+            root / "run",
+            train={"max_steps": 4, "checkpoint_every": 2, "max_tokens_per_batch": 256, "max_anchors": 32},
+        )
+        res = subprocess.run(
+            [sys.executable, "-m", "trainer.cli", "train", "--config", str(cfg)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
         if res.returncode != 0:
             print("tiny run failed; loadability not measured:", res.stderr[-500:])
             return None

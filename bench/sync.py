@@ -46,8 +46,12 @@ def rsh(bed, host) -> str:
 
 
 def rsync(bed, host, src: Path, dest: str, opts: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run(["rsync", *opts, "-e", rsh(bed, host), f"{src}/", f"root@{host.addr}:{dest}/"],
-                          capture_output=True, text=True, check=True)
+    return subprocess.run(
+        ["rsync", *opts, "-e", rsh(bed, host), f"{src}/", f"root@{host.addr}:{dest}/"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
 
 
 def literal(out: str) -> int:
@@ -70,8 +74,16 @@ def main() -> int:
         src = work / "set"
         size = make_set(src, args.gb)
         man = work / "set.manifest.json"
-        subprocess.run([DFLASH, "manifest", "create", str(src), "-o", str(man)], check=True, capture_output=True)
-        role_opts = ["-a", "--partial", "--partial-dir=.rsync-partial", "--info=stats2", "--exclude=.rsync-partial"]
+        subprocess.run(
+            [DFLASH, "manifest", "create", str(src), "-o", str(man)], check=True, capture_output=True
+        )
+        role_opts = [
+            "-a",
+            "--partial",
+            "--partial-dir=.rsync-partial",
+            "--info=stats2",
+            "--exclude=.rsync-partial",
+        ]
         rows = []
         for rep in range(2):  # interleaved: plain, verified, plain, verified
             for kind in ("plain", "verified"):
@@ -82,26 +94,52 @@ def main() -> int:
                 if kind == "plain":
                     rsync(bed, host, src, dest, ["-a"])
                 else:
-                    subprocess.run([DFLASH, "manifest", "create", str(src), "-o", str(man), "--reuse"], check=True,
-                                   capture_output=True)
+                    subprocess.run(
+                        [DFLASH, "manifest", "create", str(src), "-o", str(man), "--reuse"],
+                        check=True,
+                        capture_output=True,
+                    )
                     rsync(bed, host, src, dest, role_opts)
-                    v = subprocess.run([DFLASH, "manifest", "verify", dest, str(man)], capture_output=True, text=True, check=False)
+                    v = subprocess.run(
+                        [DFLASH, "manifest", "verify", dest, str(man)],
+                        capture_output=True,
+                        text=True,
+                        check=False,
+                    )
                     assert v.returncode == 0, v.stdout[-2000:]
                 rows.append((kind, time.monotonic() - t0))
                 shutil.rmtree(dest, ignore_errors=True)
         plain = sum(t for k, t in rows if k == "plain") / 2
         verified = sum(t for k, t in rows if k == "verified") / 2
-        print(f"set: {size / 2**30:.2f} GiB in {len(list(src.iterdir()))} files, host {host.addr}:{host.port} (veth)")
+        print(
+            f"set: {size / 2**30:.2f} GiB in {len(list(src.iterdir()))} files, host {host.addr}:{host.port} "
+            "(veth)"
+        )
         print(f"plain rsync -a:          {plain:6.2f} s  {size / plain / 2**20:7.1f} MiB/s")
         print(f"verified (role's steps): {verified:6.2f} s  {size / verified / 2**20:7.1f} MiB/s")
         print(f"throughput ratio verified/plain: {plain / verified:.2f}  (goal >= 0.8)")
 
         # kill at 50 %: one big transfer, SIGKILL when half the set has landed, then re-run
         dest = f"{host.root}/killed"
-        p = subprocess.Popen(["rsync", *role_opts, "--bwlimit=200000", "-e", rsh(bed, host), f"{src}/",
-                              f"root@{host.addr}:{dest}/"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        p = subprocess.Popen(
+            [
+                "rsync",
+                *role_opts,
+                "--bwlimit=200000",
+                "-e",
+                rsh(bed, host),
+                f"{src}/",
+                f"root@{host.addr}:{dest}/",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         while p.poll() is None:
-            landed = sum(f.stat().st_size for f in Path(dest).rglob("*") if f.is_file()) if Path(dest).exists() else 0
+            landed = (
+                sum(f.stat().st_size for f in Path(dest).rglob("*") if f.is_file())
+                if Path(dest).exists()
+                else 0
+            )
             if landed >= size / 2:
                 break
             time.sleep(0.05)
@@ -112,10 +150,16 @@ def main() -> int:
         r = rsync(bed, host, src, dest, role_opts)
         sent = literal(r.stdout)
         extra = sent - (size - kept)
-        v = subprocess.run([DFLASH, "manifest", "verify", dest, str(man)], capture_output=True, text=True, check=False)
-        print(f"killed at {kept / size:.0%} landed; re-run sent {sent / 2**20:.1f} MiB of {size / 2**20:.0f} MiB "
-              f"({sent / size:.1%} of the set; beyond what was missing: {max(extra, 0) / size:.1%}, goal <= 10 %); "
-              f"verify after re-run: {'OK' if v.returncode == 0 else 'FAILED'}")
+        v = subprocess.run(
+            [DFLASH, "manifest", "verify", dest, str(man)], capture_output=True, text=True, check=False
+        )
+        print(
+            f"killed at {kept / size:.0%} landed; re-run sent {sent / 2**20:.1f} MiB of {size / 2**20:.0f} "
+            "MiB "
+            f"({sent / size:.1%} of the set; beyond what was missing: {max(extra, 0) / size:.1%}, goal <= 10 "
+            "%); "
+            f"verify after re-run: {'OK' if v.returncode == 0 else 'FAILED'}"
+        )
         return 0
     finally:
         bed.close()

@@ -38,7 +38,13 @@ def write_config(path: Path, target_path: Path, data_path: Path, out_path: Path,
         "target": {"path": str(target_path)},
         "data": {"path": str(data_path)},
         "drafter": {"num_layers": 1, "block_size": 4, "aux_layer_ids": [1, 2], "mask_token_id": 511},
-        "train": {"max_steps": 30, "lr": 3.0e-4, "seed": 0, "checkpoint_every": 5, "max_tokens_per_batch": 1024},
+        "train": {
+            "max_steps": 30,
+            "lr": 3.0e-4,
+            "seed": 0,
+            "checkpoint_every": 5,
+            "max_tokens_per_batch": 1024,
+        },
         "out_dir": str(out_path),
     }
     for key, value in sections.items():
@@ -74,14 +80,29 @@ def trained_drafter(tiny_target, tiny_data, tmp_path_factory) -> Path:
 
     root = tmp_path_factory.mktemp("trained-drafter")
     cfg = write_config(
-        root / "run.yaml", tiny_target, tiny_data, root / "run",
+        root / "run.yaml",
+        tiny_target,
+        tiny_data,
+        root / "run",
         drafter={"num_layers": 1, "block_size": 8, "aux_layer_ids": [1, 2], "mask_token_id": 511},
-        train={"max_steps": 150, "lr": 3.0e-3, "warmup_steps": 2, "max_tokens_per_batch": 256,
-               "max_anchors": 32, "checkpoint_every": 1000},
+        train={
+            "max_steps": 150,
+            "lr": 3.0e-3,
+            "warmup_steps": 2,
+            "max_tokens_per_batch": 256,
+            "max_anchors": 32,
+            "checkpoint_every": 1000,
+        },
     )
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    res = subprocess.run([sys.executable, "-m", "trainer.cli", "train", "--config", str(cfg)],
-                         check=False, env=env, capture_output=True, text=True, timeout=600)
+    res = subprocess.run(
+        [sys.executable, "-m", "trainer.cli", "train", "--config", str(cfg)],
+        check=False,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return root / "run"
 

@@ -37,7 +37,9 @@ def free_port() -> int:
 
 
 def have_radosgw() -> bool:
-    return all(shutil.which(x) for x in ("ceph-mon", "ceph-osd", "radosgw", "radosgw-admin", "monmaptool", "ceph"))
+    return all(
+        shutil.which(x) for x in ("ceph-mon", "ceph-osd", "radosgw", "radosgw-admin", "monmaptool", "ceph")
+    )
 
 
 def s3_env(base: dict[str, str] | None = None) -> dict[str, str]:
@@ -46,8 +48,13 @@ def s3_env(base: dict[str, str] | None = None) -> dict[str, str]:
     for k in list(env):
         if k.startswith("AWS_"):
             del env[k]
-    env.update(AWS_ACCESS_KEY_ID=TEST_ACCESS_KEY, AWS_SECRET_ACCESS_KEY=TEST_SECRET_KEY,
-               AWS_DEFAULT_REGION="us-east-1", AWS_CONFIG_FILE="/dev/null", AWS_SHARED_CREDENTIALS_FILE="/dev/null")
+    env.update(
+        AWS_ACCESS_KEY_ID=TEST_ACCESS_KEY,
+        AWS_SECRET_ACCESS_KEY=TEST_SECRET_KEY,
+        AWS_DEFAULT_REGION="us-east-1",
+        AWS_CONFIG_FILE="/dev/null",
+        AWS_SHARED_CREDENTIALS_FILE="/dev/null",
+    )
     return env
 
 
@@ -55,14 +62,24 @@ def client(endpoint_url: str):
     import boto3
     from botocore.config import Config
 
-    return boto3.client("s3", endpoint_url=endpoint_url, aws_access_key_id=TEST_ACCESS_KEY,
-                        aws_secret_access_key=TEST_SECRET_KEY, region_name="us-east-1",
-                        config=Config(s3={"addressing_style": "path"}, request_checksum_calculation="when_required",
-                                      response_checksum_validation="when_required"))
+    return boto3.client(
+        "s3",
+        endpoint_url=endpoint_url,
+        aws_access_key_id=TEST_ACCESS_KEY,
+        aws_secret_access_key=TEST_SECRET_KEY,
+        region_name="us-east-1",
+        config=Config(
+            s3={"addressing_style": "path"},
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+        ),
+    )
 
 
 class RadosGW:
-    def __init__(self, root: Path | None = None, memstore_bytes: int = 3 * 2**30, also_listen: tuple[str, ...] = ()):
+    def __init__(
+        self, root: Path | None = None, memstore_bytes: int = 3 * 2**30, also_listen: tuple[str, ...] = ()
+    ):
         """also_listen: more local addresses for the S3 endpoint (e.g. the controller side of a test
         host's veth link, so that a host in its network namespace reaches the same port)."""
         self.root = Path(root or tempfile.mkdtemp(prefix="dflash-rgw-"))
@@ -76,7 +93,13 @@ class RadosGW:
         self._daemons: list[int] = []
 
     def _ceph(self, *args: str, timeout: float = 60) -> str:
-        res = subprocess.run([args[0], "-c", str(self.conf), *args[1:]], capture_output=True, text=True, timeout=timeout, check=False)
+        res = subprocess.run(
+            [args[0], "-c", str(self.conf), *args[1:]],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
         if res.returncode != 0:
             raise RuntimeError(f"{' '.join(args)} failed ({res.returncode}): {res.stderr[-2000:]}")
         return res.stdout
@@ -96,6 +119,7 @@ class RadosGW:
         for d in ("run", "log", "mon", "osd/ceph-0", "rgw"):
             (r / d).mkdir(parents=True, exist_ok=True)
         fsid = str(uuid.uuid4())
+        endpoints = "".join(f" endpoint={a}:{self.port}" for a in ("127.0.0.1", *self.also_listen))
         self.conf.write_text(f"""[global]
 fsid = {fsid}
 mon host = v1:127.0.0.1:{self.mon_port}
@@ -126,12 +150,24 @@ mon data = {r}/mon/$cluster-$id
 osd data = {r}/osd/$cluster-$id
 keyring = /dev/null
 [client.rgw]
-rgw frontends = beast endpoint=127.0.0.1:{self.port}{"".join(f" endpoint={a}:{self.port}" for a in self.also_listen)}
+rgw frontends = beast{endpoints}
 rgw data = {r}/rgw
 rgw enable usage log = false
 """)
-        subprocess.run(["monmaptool", "--create", "--addv", "a", f"[v1:127.0.0.1:{self.mon_port}]", "--fsid", fsid,
-                        str(r / "monmap")], check=True, capture_output=True)
+        subprocess.run(
+            [
+                "monmaptool",
+                "--create",
+                "--addv",
+                "a",
+                f"[v1:127.0.0.1:{self.mon_port}]",
+                "--fsid",
+                fsid,
+                str(r / "monmap"),
+            ],
+            check=True,
+            capture_output=True,
+        )
         self._ceph("ceph-mon", "--mkfs", "-i", "a", "--monmap", str(r / "monmap"))
         self._ceph("ceph-mon", "-i", "a")
         # A command sent before the new mon has won its election comes back "wrong fsid": retry.
@@ -139,15 +175,25 @@ rgw enable usage log = false
         self._ceph("ceph-osd", "-i", "0", "--mkfs")
         self._retry("ceph-osd", "-i", "0")
         self.start_gateway()
-        self._ceph("radosgw-admin", "-n", "client.admin", "user", "create", "--uid=salvage-test",
-                   "--display-name=salvage test", f"--access-key={TEST_ACCESS_KEY}", f"--secret-key={TEST_SECRET_KEY}")
+        self._ceph(
+            "radosgw-admin",
+            "-n",
+            "client.admin",
+            "user",
+            "create",
+            "--uid=salvage-test",
+            "--display-name=salvage test",
+            f"--access-key={TEST_ACCESS_KEY}",
+            f"--secret-key={TEST_SECRET_KEY}",
+        )
         return self
 
     def start_gateway(self, timeout: float = 90) -> None:
         """radosgw in the foreground (-f) as our child, so it can be killed and started again."""
         log = open(self.root / "log" / "radosgw.stdout", "ab")  # noqa: SIM115 - lives as long as the process
-        self.gateway = subprocess.Popen(["radosgw", "-f", "-c", str(self.conf), "-n", "client.rgw"],
-                                        stdout=log, stderr=subprocess.STDOUT)
+        self.gateway = subprocess.Popen(
+            ["radosgw", "-f", "-c", str(self.conf), "-n", "client.rgw"], stdout=log, stderr=subprocess.STDOUT
+        )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.gateway.poll() is not None:

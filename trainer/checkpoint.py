@@ -7,7 +7,6 @@ The light part (listing, verifying, the `latest` pointer) imports no torch; savi
 
 from __future__ import annotations
 
-from trainer.errors import DflashError, ExitCode
 import json
 import os
 import shutil
@@ -16,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trainer.errors import DflashError, ExitCode
 from trainer.fsutil import atomic_write_text, dir_size, fsync_dir, sha256_file
 
 SUMS = "SHA256SUMS"
@@ -67,9 +67,7 @@ def read_latest(out_dir: Path) -> Path | None:
 
 
 def write_sums(folder: Path) -> dict[str, str]:
-    sums = {
-        p.name: sha256_file(p) for p in sorted(folder.iterdir()) if p.is_file() and p.name != SUMS
-    }
+    sums = {p.name: sha256_file(p) for p in sorted(folder.iterdir()) if p.is_file() and p.name != SUMS}
     atomic_write_text(folder / SUMS, "".join(f"{h}  {n}\n" for n, h in sums.items()))
     return sums
 
@@ -111,7 +109,9 @@ class Saved:
     removed: list[str]
 
 
-def save_checkpoint(out_dir: Path, step: int, drafter, trainer_state: dict[str, Any], meta: dict[str, Any], keep: int) -> Saved:
+def save_checkpoint(
+    out_dir: Path, step: int, drafter, trainer_state: dict[str, Any], meta: dict[str, Any], keep: int
+) -> Saved:
     """Write a complete checkpoint for `step`, point `latest` at it, keep the newest `keep`."""
     import torch
 

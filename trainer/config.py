@@ -8,7 +8,6 @@ Paths given relative are resolved against the config file's folder, so a run fol
 
 from __future__ import annotations
 
-from trainer.errors import DflashError
 import copy
 import json
 from pathlib import Path
@@ -16,6 +15,8 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from trainer.errors import DflashError
 
 SCHEMA_VERSION = 1
 
@@ -78,8 +79,12 @@ class TrainConfig(_Section):
     lr: float = Field(6.0e-4, gt=0, description="peak learning rate (SpecForge Qwen3.6-27B: 6e-4)")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="cosine floor as a fraction of lr")
     warmup_steps: int | None = Field(None, ge=0, description="default: warmup_ratio * max_steps")
-    warmup_ratio: float = Field(0.04, ge=0, le=1, description="warmup share of max_steps when warmup_steps is unset")
-    schedule: Literal["cosine", "constant"] = Field("cosine", description="lr after warmup: cosine decay to min_lr_ratio, or constant")
+    warmup_ratio: float = Field(
+        0.04, ge=0, le=1, description="warmup share of max_steps when warmup_steps is unset"
+    )
+    schedule: Literal["cosine", "constant"] = Field(
+        "cosine", description="lr after warmup: cosine decay to min_lr_ratio, or constant"
+    )
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas")
     grad_clip: float = Field(1.0, gt=0, description="max global grad norm")
@@ -105,10 +110,14 @@ class TrainConfig(_Section):
     stop_timeout_s: float = Field(
         600.0, gt=0, description="bound on SIGTERM -> final checkpoint -> exit; past it the run exits 3"
     )
-    stall_factor: float = Field(10.0, gt=1, description="a step running this many times the median step is a stall (warning event)")
+    stall_factor: float = Field(
+        10.0, gt=1, description="a step running this many times the median step is a stall (warning event)"
+    )
     stall_min_s: float = Field(120.0, gt=0, description="never call a step stalled before this many seconds")
     agreement_every: int = Field(
-        50, ge=1, description="steps between target_agreement checks (and step 1): verifier argmax vs the data"
+        50,
+        ge=1,
+        description="steps between target_agreement checks (and step 1): verifier argmax vs the data",
     )
     min_target_agreement: float = Field(
         0.5, ge=0, le=1, description="warn when fewer supervised tokens are the target's own greedy choice"
@@ -118,7 +127,7 @@ class TrainConfig(_Section):
     )
 
     @model_validator(mode="after")
-    def _warmup(self) -> "TrainConfig":
+    def _warmup(self) -> TrainConfig:
         if self.warmup_steps is not None and self.warmup_steps > self.max_steps:
             raise ValueError(f"warmup_steps ({self.warmup_steps}) > max_steps ({self.max_steps})")
         return self
@@ -136,10 +145,15 @@ class PreflightConfig(_Section):
         0.10, ge=0, le=1, description="refuse when short / unusable samples exceed this share"
     )
     deep_layer_warn_gap: float = Field(
-        0.25, ge=0, le=1, description="warn when the deepest aux layer is this far (share of depth) below the top"
+        0.25,
+        ge=0,
+        le=1,
+        description="warn when the deepest aux layer is this far (share of depth) below the top",
     )
     disk_reserve_gb: float = Field(2.0, ge=0, description="free disk kept beyond K checkpoints")
-    check_memory: bool = Field(True, description="compare the memory estimate with the device (false: skip, stated)")
+    check_memory: bool = Field(
+        True, description="compare the memory estimate with the device (false: skip, stated)"
+    )
 
 
 class RunConfig(_Section):
@@ -158,7 +172,7 @@ class RunConfig(_Section):
             raise ValueError(f"this dflash reads schema_version {SCHEMA_VERSION}, the file says {v}")
         return v
 
-    def resolve_paths(self, base: Path) -> "RunConfig":
+    def resolve_paths(self, base: Path) -> RunConfig:
         def fix(p: Path | None) -> Path | None:
             if p is None:
                 return None
@@ -277,7 +291,11 @@ def schema_reference() -> list[tuple[str, str, str, str]]:
                 default = "required"
             else:
                 value = field.get_default(call_default_factory=True)
-                default = "null" if value is None else json.dumps(list(value) if isinstance(value, tuple) else value)
+                default = (
+                    "null"
+                    if value is None
+                    else json.dumps(list(value) if isinstance(value, tuple) else value)
+                )
             rows.append((key, _type_name(ann), default, field.description or ""))
 
     walk(RunConfig, "")
@@ -288,5 +306,7 @@ def schema_markdown() -> str:
     """The run-config reference table (docs/reference/config.md embeds it; a test keeps it current)."""
     lines = ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
     for key, typ, default, desc in schema_reference():
-        lines.append(f"| `{key}` | {typ.replace('|', '&#124;')} | `{default}` | {desc.replace('|', '&#124;')} |")
+        lines.append(
+            f"| `{key}` | {typ.replace('|', '&#124;')} | `{default}` | {desc.replace('|', '&#124;')} |"
+        )
     return "\n".join(lines) + "\n"

@@ -7,13 +7,14 @@ seconds without building Python lists per sample.
 
 from __future__ import annotations
 
-from trainer.errors import DflashError
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from trainer.errors import DflashError
 
 REQUIRED_COLUMNS = ("input_ids", "loss_mask")
 HIST_EDGES = (0, 1, 2, 6, 7, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -172,7 +173,9 @@ class PackedSampler:
     takes consecutive samples for `world_size` packs; rank r takes pack r. Samples longer than
     `max_tokens` are truncated to it (the data gate reports how many)."""
 
-    def __init__(self, ds, usable: np.ndarray, max_tokens: int, seed: int, rank: int = 0, world_size: int = 1):
+    def __init__(
+        self, ds, usable: np.ndarray, max_tokens: int, seed: int, rank: int = 0, world_size: int = 1
+    ):
         self.ds = ds
         self.indices = np.flatnonzero(usable)
         if self.indices.size == 0:

@@ -23,4 +23,3 @@ class DflashError(Exception):
     """Bad input or a precondition that fails before any expensive work; the message says what to change."""
 
     exit_code: ExitCode = ExitCode.REFUSED
-

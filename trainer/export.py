@@ -10,7 +10,6 @@ template / thinking mode of the training data, when known: `dflash eval` compare
 
 from __future__ import annotations
 
-from trainer.errors import DflashError
 import json
 import shutil
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import Any
 
 import torch
 
+from trainer.errors import DflashError
 from trainer.fsutil import atomic_write_text, dir_size, sha256_file
 
 
@@ -50,8 +50,13 @@ def _round_to(model, dtype: torch.dtype | None):
     return model
 
 
-def export(checkpoint: Path, out: Path, target: Path | None = None, verifier: str | None = None,
-           dtype: str | None = None) -> dict[str, Any]:
+def export(
+    checkpoint: Path,
+    out: Path,
+    target: Path | None = None,
+    verifier: str | None = None,
+    dtype: str | None = None,
+) -> dict[str, Any]:
     from trainer.checkpoint import SUMS, read_meta, verify_checkpoint
     from trainer.eval.models import load_drafter, resolve_drafter_dir
     from trainer.eval.run import training_data_meta
@@ -70,12 +75,16 @@ def export(checkpoint: Path, out: Path, target: Path | None = None, verifier: st
             raise ExportError(f"{folder} does not verify: {'; '.join(bad)} (export an older checkpoint)")
     cfg = json.loads((folder / "config.json").read_text())
     if "speculators_model_type" not in cfg:
-        raise ExportError(f"{folder}: not a speculators checkpoint (config.json has no speculators_model_type)")
+        raise ExportError(
+            f"{folder}: not a speculators checkpoint (config.json has no speculators_model_type)"
+        )
     recorded = cfg.get("speculators_config", {}).get("verifier", {}).get("name_or_path")
     target = Path(target) if target is not None else (Path(recorded) if recorded else None)
     if target is None or not (target / "config.json").is_file():
-        raise ExportError(f"the target recorded in {folder}/config.json ({recorded}) is not a local model folder: "
-                          "pass --target DIR")
+        raise ExportError(
+            f"the target recorded in {folder}/config.json ({recorded}) is not a local model folder: "
+            "pass --target DIR"
+        )
     cast = getattr(torch, dtype) if dtype else None
     model = load_drafter(folder, target, torch.device("cpu"))
     before = probe_logits(_round_to(model, cast))
@@ -89,8 +98,10 @@ def export(checkpoint: Path, out: Path, target: Path | None = None, verifier: st
         reloaded = load_drafter(tmp, target, torch.device("cpu"))
         after = probe_logits(reloaded)
         if not torch.equal(before, after):
-            raise ExportError(f"the reloaded export gives different logits (max diff "
-                              f"{(before - after).abs().max().item():.3g}): export refused")
+            raise ExportError(
+                f"the reloaded export gives different logits (max diff "
+                f"{(before - after).abs().max().item():.3g}): export refused"
+            )
         step = read_meta(folder).get("step") if (folder / "meta.json").is_file() else None
         data_meta, data_where = training_data_meta(folder)
         if data_meta is not None:
@@ -98,9 +109,15 @@ def export(checkpoint: Path, out: Path, target: Path | None = None, verifier: st
         B = int(model.config.block_size)
         size_before, size_after = dir_size(folder), dir_size(tmp)
         info = {
-            "source": str(folder), "step": step, "target": str(target), "verifier": verifier or str(target),
-            "dtype": dtype or "as trained", "block_size": B, "aux_layer_ids": list(model.config.aux_hidden_state_layer_ids),
-            "bytes_before": size_before, "bytes_after": size_after,
+            "source": str(folder),
+            "step": step,
+            "target": str(target),
+            "verifier": verifier or str(target),
+            "dtype": dtype or "as trained",
+            "block_size": B,
+            "aux_layer_ids": list(model.config.aux_hidden_state_layer_ids),
+            "bytes_before": size_before,
+            "bytes_after": size_after,
             "files": {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()},
             "reload_check": "bit-identical drafter logits on a probe block",
             "serve": serve_command(verifier or str(target), out.resolve(), B),
@@ -112,7 +129,10 @@ def export(checkpoint: Path, out: Path, target: Path | None = None, verifier: st
         raise
     info["bytes_after"] = dir_size(out)
     print(f"exported {folder} -> {out}")
-    print(f"size: {size_before / 2**20:.2f} MiB before (with trainer state), {info['bytes_after'] / 2**20:.2f} MiB after")
+    print(
+        f"size: {size_before / 2**20:.2f} MiB before (with trainer state), {info['bytes_after'] / 2**20:.2f} "
+        "MiB after"
+    )
     print("reload check: bit-identical drafter logits")
     print(f"serve it with:\n  {info['serve']}")
     return info

@@ -19,7 +19,6 @@ a clean copy has none).
 
 from __future__ import annotations
 
-from trainer.errors import DflashError
 import fnmatch
 import json
 import os
@@ -29,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trainer.errors import DflashError
 from trainer.fsutil import atomic_write_text, sha256_file
 
 MANIFEST_VERSION = 1
@@ -39,7 +39,8 @@ MANIFEST_NAME = "MANIFEST.json"
 
 
 def manifest_beside(folder: Path) -> Path:
-    """Where a folder's own manifest lives: next to it, never inside it (`data/tok` -> `data/tok.manifest.json`)."""
+    """Where a folder's own manifest lives: next to it, never inside it (`data/tok` ->
+    `data/tok.manifest.json`)."""
     folder = Path(folder)
     return folder.parent / f"{folder.name}.manifest.json"
 
@@ -79,7 +80,10 @@ class VerifyResult:
         for d in self.differing:
             lines.append(f"DIFFERS   {d['path']}: {d['why']}")
         for p in self.extra:
-            lines.append(f"{'EXTRA    ' if self.strict else 'extra     '} {p}" + ("" if self.strict else " (not in the manifest)"))
+            lines.append(
+                f"{'EXTRA    ' if self.strict else 'extra     '} {p}"
+                + ("" if self.strict else " (not in the manifest)")
+            )
         verdict = "OK" if self.ok else "FAILED"
         lines.append(
             f"manifest verify {folder}: {verdict}: {self.checked} entries checked "
@@ -90,10 +94,14 @@ class VerifyResult:
 
 
 def _excluded(rel: str, patterns: tuple[str, ...]) -> bool:
-    return any(fnmatch.fnmatchcase(rel, pat) or fnmatch.fnmatchcase(rel.split("/")[0], pat) for pat in patterns)
+    return any(
+        fnmatch.fnmatchcase(rel, pat) or fnmatch.fnmatchcase(rel.split("/")[0], pat) for pat in patterns
+    )
 
 
-def scan(folder: Path, exclude: tuple[str, ...] = (), skip: Path | None = None) -> tuple[dict[str, Path], dict[str, str]]:
+def scan(
+    folder: Path, exclude: tuple[str, ...] = (), skip: Path | None = None
+) -> tuple[dict[str, Path], dict[str, str]]:
     """(regular files, symlinks) under `folder` by relative posix path. Symlinks are not followed."""
     folder = Path(folder)
     if not folder.is_dir():
@@ -153,7 +161,12 @@ def create_manifest(
         st = path.stat()
         stats[rel] = st
         prev = old.get(rel)
-        if prev and prev.get("size") == st.st_size and prev.get("mtime_ns") == st.st_mtime_ns and prev.get("sha256"):
+        if (
+            prev
+            and prev.get("size") == st.st_size
+            and prev.get("mtime_ns") == st.st_mtime_ns
+            and prev.get("sha256")
+        ):
             entries[rel] = {"size": st.st_size, "sha256": prev["sha256"], "mtime_ns": st.st_mtime_ns}
         else:
             to_hash.append(rel)
@@ -181,7 +194,9 @@ def same_content(a: dict[str, Any], b: dict[str, Any]) -> bool:
     """Two manifests describe the same bytes (ignores creation time, mtimes and the source label)."""
 
     def strip(m: dict[str, Any]) -> dict[str, Any]:
-        return {k: {kk: vv for kk, vv in v.items() if kk != "mtime_ns"} for k, v in m.get("files", {}).items()}
+        return {
+            k: {kk: vv for kk, vv in v.items() if kk != "mtime_ns"} for k, v in m.get("files", {}).items()
+        }
 
     return strip(a) == strip(b)
 
@@ -211,7 +226,8 @@ def check_manifest(data: Any, label: str) -> dict[str, Any]:
         if rel.startswith("/") or ".." in parts or "" in parts:
             raise ManifestError(f"manifest {label}: unsafe path {rel!r} (absolute, empty part or '..')")
         if not isinstance(entry, dict) or not (
-            ("symlink" in entry) or (isinstance(entry.get("size"), int) and isinstance(entry.get("sha256"), str))
+            ("symlink" in entry)
+            or (isinstance(entry.get("size"), int) and isinstance(entry.get("sha256"), str))
         ):
             raise ManifestError(f"manifest {label}: entry {rel!r} needs size and sha256 (or symlink)")
     return data
@@ -253,7 +269,12 @@ def verify_manifest(
         size = path.stat().st_size
         if size != entry["size"]:
             res.differing.append(
-                {"path": rel, "why": f"size {size} bytes, expected {entry['size']}", "expected_size": entry["size"], "size": size}
+                {
+                    "path": rel,
+                    "why": f"size {size} bytes, expected {entry['size']}",
+                    "expected_size": entry["size"],
+                    "size": size,
+                }
             )
             res.checked += 1
             continue
@@ -264,8 +285,12 @@ def verify_manifest(
             res.checked_bytes += expected[rel]["size"]
             if digest != expected[rel]["sha256"]:
                 res.differing.append(
-                    {"path": rel, "why": f"sha256 {digest[:12]}..., expected {expected[rel]['sha256'][:12]}...",
-                     "expected_sha256": expected[rel]["sha256"], "sha256": digest}
+                    {
+                        "path": rel,
+                        "why": f"sha256 {digest[:12]}..., expected {expected[rel]['sha256'][:12]}...",
+                        "expected_sha256": expected[rel]["sha256"],
+                        "sha256": digest,
+                    }
                 )
     res.extra = sorted(set(files) - set(expected)) + sorted(set(links) - set(expected))
     res.missing.sort()
@@ -291,8 +316,13 @@ def cmd_create(args) -> int:
         except ManifestError:
             previous = None
     manifest = create_manifest(Path(args.dir), None, tuple(args.exclude), reuse, args.workers, args.source)
-    changed = previous is None or not same_content(previous, manifest) or any(
-        previous["files"].get(k, {}).get("mtime_ns") != v.get("mtime_ns") for k, v in manifest["files"].items()
+    changed = (
+        previous is None
+        or not same_content(previous, manifest)
+        or any(
+            previous["files"].get(k, {}).get("mtime_ns") != v.get("mtime_ns")
+            for k, v in manifest["files"].items()
+        )
     )
     if changed:
         atomic_write_text(out, json.dumps(manifest, indent=1) + "\n")
@@ -318,7 +348,9 @@ def cmd_verify(args) -> int:
     folder = Path(args.dir)
     if not folder.is_dir():
         raise ManifestError(f"{folder} is not a folder (nothing was copied there yet?)")
-    res = verify_manifest(folder, manifest, tuple(args.exclude), args.strict, args.workers, Path(args.manifest))
+    res = verify_manifest(
+        folder, manifest, tuple(args.exclude), args.strict, args.workers, Path(args.manifest)
+    )
     if args.json:
         print(json.dumps({"dir": str(folder), "manifest": str(args.manifest), **res.to_dict()}))
     else:

@@ -16,7 +16,6 @@ for large-scale regeneration plugs in.
 
 from __future__ import annotations
 
-from trainer.errors import DflashError
 import hashlib
 import json
 import shutil
@@ -26,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from trainer.errors import DflashError
 from trainer.fsutil import atomic_write_text
 
 DATA_META = "dflash_data.json"
@@ -61,7 +61,9 @@ class GenerationBackend(Protocol):
 class TransformersBackend:
     name = "transformers"
 
-    def __init__(self, target_dir: Path, stop_ids: list[int], device: str = "auto", pad_id: int | None = None):
+    def __init__(
+        self, target_dir: Path, stop_ids: list[int], device: str = "auto", pad_id: int | None = None
+    ):
         import torch
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
@@ -69,9 +71,17 @@ class TransformersBackend:
         from trainer.sources.hooked import resolve_dtype
 
         hf_logging.set_verbosity_error()
-        dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
+        dev = torch.device(
+            "cuda"
+            if device == "auto" and torch.cuda.is_available()
+            else ("cpu" if device == "auto" else device)
+        )
         self.device = dev
-        self.model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=resolve_dtype("auto", dev)).to(dev).eval()
+        self.model = (
+            AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=resolve_dtype("auto", dev))
+            .to(dev)
+            .eval()
+        )
         self.stop_ids = sorted(stop_ids)
         self.pad_id = pad_id if pad_id is not None else (self.stop_ids[0] if self.stop_ids else 0)
 
@@ -84,12 +94,23 @@ class TransformersBackend:
         # An explicit stop rule: the stop ids given here, never the model's generation config alone.
         stop = {"eos_token_id": self.stop_ids} if self.stop_ids else {"min_new_tokens": max_new_tokens}
         with torch.no_grad():
-            gen = self.model.generate(inp, attention_mask=att, max_new_tokens=max_new_tokens, do_sample=False,
-                                      pad_token_id=self.pad_id, temperature=None, top_p=None, top_k=None, **stop)
+            gen = self.model.generate(
+                inp,
+                attention_mask=att,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=self.pad_id,
+                temperature=None,
+                top_p=None,
+                top_k=None,
+                **stop,
+            )
         return gen[:, width:].tolist()
 
 
-def make_backend(name: str, target_dir: Path, stop_ids: list[int], device: str = "auto", pad_id: int | None = None):
+def make_backend(
+    name: str, target_dir: Path, stop_ids: list[int], device: str = "auto", pad_id: int | None = None
+):
     if name == "transformers":
         return TransformersBackend(target_dir, stop_ids, device, pad_id)
     if name == "vllm":
@@ -112,21 +133,25 @@ def cut_response(new_tokens: list[int], stop_ids: set[int]) -> tuple[list[int], 
     return list(new_tokens), False
 
 
-def respond(backend: GenerationBackend, prompts: list[list[int]], max_new_tokens: int,
-            stop_ids: set[int]) -> list[dict[str, Any]]:
+def respond(
+    backend: GenerationBackend, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int]
+) -> list[dict[str, Any]]:
     """One batch: rows with input_ids = prompt + response, loss_mask over the response only."""
     rows = []
     for p, new in zip(prompts, backend.generate(prompts, max_new_tokens)):
         resp, stopped = cut_response(new[:max_new_tokens], stop_ids)
-        rows.append({"input_ids": list(p) + resp, "loss_mask": [0] * len(p) + [1] * len(resp), "stopped": stopped})
+        rows.append(
+            {"input_ids": list(p) + resp, "loss_mask": [0] * len(p) + [1] * len(resp), "stopped": stopped}
+        )
     return rows
 
 
 def save_dataset(rows: list[dict[str, Any]], out_dir: Path) -> Path:
     import datasets
 
-    ds = datasets.Dataset.from_dict({"input_ids": [r["input_ids"] for r in rows],
-                                     "loss_mask": [r["loss_mask"] for r in rows]})
+    ds = datasets.Dataset.from_dict(
+        {"input_ids": [r["input_ids"] for r in rows], "loss_mask": [r["loss_mask"] for r in rows]}
+    )
     ds.save_to_disk(str(out_dir))
     return Path(out_dir)
 
@@ -161,13 +186,17 @@ def regenerate(opts: RegenOptions, backend: GenerationBackend | None = None) -> 
         if read_data_meta(out) is not None:
             print(f"dflash regenerate: {out} is already complete (delete it to regenerate)", flush=True)
             return out
-        raise RegenerateError(f"--out {out} exists and is not a finished regeneration: choose another path or delete it")
+        raise RegenerateError(
+            f"--out {out} exists and is not a finished regeneration: choose another path or delete it"
+        )
     if opts.max_new_tokens < 1 or opts.batch_size < 1:
         raise RegenerateError("--max-new-tokens and --batch-size must be at least 1")
     if opts.backend not in BACKENDS:
         raise RegenerateError(f"--backend {opts.backend!r}: choose one of {', '.join(BACKENDS)}")
     if not (Path(opts.target) / "config.json").is_file():
-        raise RegenerateError(f"--target {opts.target}: no config.json (a transformers model folder is needed)")
+        raise RegenerateError(
+            f"--target {opts.target}: no config.json (a transformers model folder is needed)"
+        )
     lines = P.read_prompt_file(opts.prompts, opts.limit)
     tok = P.load_tokenizer(opts.target)
     settings = P.resolve_settings(tok, opts.chat_template, opts.thinking)
@@ -175,10 +204,16 @@ def regenerate(opts: RegenOptions, backend: GenerationBackend | None = None) -> 
     stop_ids = [] if opts.ignore_eos else P.stop_token_ids(opts.target, tok)
     batches = plan_batches(prompts, opts.batch_size)
     plan = {
-        "target": str(Path(opts.target).resolve()), "prompts": str(Path(opts.prompts).resolve()),
-        "prompts_sha256": _sha256(opts.prompts), "limit": opts.limit, "num_prompts": len(prompts),
-        "max_new_tokens": opts.max_new_tokens, "batch_size": opts.batch_size, "template": settings.to_dict(),
-        "stop_token_ids": stop_ids, "backend": opts.backend,
+        "target": str(Path(opts.target).resolve()),
+        "prompts": str(Path(opts.prompts).resolve()),
+        "prompts_sha256": _sha256(opts.prompts),
+        "limit": opts.limit,
+        "num_prompts": len(prompts),
+        "max_new_tokens": opts.max_new_tokens,
+        "batch_size": opts.batch_size,
+        "template": settings.to_dict(),
+        "stop_token_ids": stop_ids,
+        "backend": opts.backend,
     }
     work = out.parent / f".{out.name}.partial"
     work.mkdir(parents=True, exist_ok=True)
@@ -187,8 +222,10 @@ def regenerate(opts: RegenOptions, backend: GenerationBackend | None = None) -> 
         old = json.loads(plan_file.read_text())
         changed = sorted(k for k in plan if old.get(k) != plan[k])
         if changed:
-            raise RegenerateError(f"{work} holds a partial run with other settings ({', '.join(changed)}): "
-                                  "rerun with the same arguments to continue it, or delete that folder")
+            raise RegenerateError(
+                f"{work} holds a partial run with other settings ({', '.join(changed)}): "
+                "rerun with the same arguments to continue it, or delete that folder"
+            )
     else:
         atomic_write_text(plan_file, json.dumps(plan, indent=1))
     done = {b for b in range(len(batches)) if (work / f"batch-{b:06d}.json").exists()}
@@ -200,7 +237,14 @@ def regenerate(opts: RegenOptions, backend: GenerationBackend | None = None) -> 
         pad = tok.pad_token_id if tok is not None and tok.pad_token_id is not None else None
         backend = make_backend(opts.backend, opts.target, stop_ids, opts.device, pad)
     new_tokens = 0
-    bar = tqdm(total=len(batches), initial=len(done), desc="regenerate", unit="batch", file=sys.stderr, dynamic_ncols=True)
+    bar = tqdm(
+        total=len(batches),
+        initial=len(done),
+        desc="regenerate",
+        unit="batch",
+        file=sys.stderr,
+        dynamic_ncols=True,
+    )
     for b in todo:
         idx = batches[b]
         rows = respond(backend, [prompts[i] for i in idx], opts.max_new_tokens, set(stop_ids))
@@ -221,7 +265,8 @@ def regenerate(opts: RegenOptions, backend: GenerationBackend | None = None) -> 
         shutil.rmtree(tmp)
     save_dataset(rows, tmp)
     meta = {
-        "schema_version": META_SCHEMA_VERSION, **plan,
+        "schema_version": META_SCHEMA_VERSION,
+        **plan,
         "samples": len(rows),
         "stopped_by_stop_token": sum(1 for r in rows if r["stopped"]),
         "cut_at_max_new_tokens": sum(1 for r in rows if not r["stopped"]),
@@ -233,9 +278,16 @@ def regenerate(opts: RegenOptions, backend: GenerationBackend | None = None) -> 
     tmp.rename(out)
     shutil.rmtree(work, ignore_errors=True)
     cut = meta["cut_at_max_new_tokens"]
-    print(f"dflash regenerate: {len(rows)} samples, {meta['response_tokens_total']} response tokens "
-          f"({meta['response_tokens_mean']:.1f} per sample; {cut} cut at --max-new-tokens) -> {out}", flush=True)
+    print(
+        f"dflash regenerate: {len(rows)} samples, {meta['response_tokens_total']} response tokens "
+        f"({meta['response_tokens_mean']:.1f} per sample; {cut} cut at --max-new-tokens) -> {out}",
+        flush=True,
+    )
     if cut and stop_ids and cut > len(rows) // 2:
-        print(f"dflash regenerate: WARNING {cut} of {len(rows)} responses never reached a stop token "
-              f"{stop_ids}: raise --max-new-tokens or check the chat template", file=sys.stderr, flush=True)
+        print(
+            f"dflash regenerate: WARNING {cut} of {len(rows)} responses never reached a stop token "
+            f"{stop_ids}: raise --max-new-tokens or check the chat template",
+            file=sys.stderr,
+            flush=True,
+        )
     return out

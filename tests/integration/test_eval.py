@@ -33,8 +33,9 @@ CPU = torch.device("cpu")
 
 
 def dflash(*args, timeout=300) -> subprocess.CompletedProcess:
-    return subprocess.run([*DFLASH, *map(str, args)], check=False, env=ENV, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [*DFLASH, *map(str, args)], check=False, env=ENV, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def dflash_here(capsys, *args) -> subprocess.CompletedProcess:
@@ -72,7 +73,9 @@ def test_harness_equals_reference_and_target_greedy(loaded, block, one_thread):
         fast = speculate(target, drafter, prompt, 40, block, STOP)
         slow = speculate_reference(ref, drafter, prompt, 40, block, STOP)
         greedy, _ = target_greedy(target, prompt, 40, STOP)
-        assert fast.tokens == slow.tokens == greedy, "committed tokens differ from the target's greedy decoding"
+        assert fast.tokens == slow.tokens == greedy, (
+            "committed tokens differ from the target's greedy decoding"
+        )
         assert fast.accepted == slow.accepted and fast.tau == slow.tau
         assert all(0 <= a <= block - 1 for a in fast.accepted)
         accepted_any += sum(fast.accepted)
@@ -86,9 +89,19 @@ def test_sliding_window_layers_get_the_training_mask(tiny_target, one_thread):
     from trainer.drafter import build_drafter
     from trainer.eval import harness
 
-    raw = {"target": {"path": str(tiny_target)}, "data": {"path": "unused"}, "out_dir": "unused",
-           "drafter": {"num_layers": 2, "block_size": 4, "aux_layer_ids": [1, 3], "mask_token_id": 511,
-                       "sliding_window": 3, "full_attention_layers": [1]}}
+    raw = {
+        "target": {"path": str(tiny_target)},
+        "data": {"path": "unused"},
+        "out_dir": "unused",
+        "drafter": {
+            "num_layers": 2,
+            "block_size": 4,
+            "aux_layer_ids": [1, 3],
+            "mask_token_id": 511,
+            "sliding_window": 3,
+            "full_attention_layers": [1],
+        },
+    }
     torch.manual_seed(0)
     drafter = build_drafter(config_from_dict(raw, Path(".")), CPU).eval()
     assert drafter.sliding_window_indices == [0]
@@ -102,7 +115,9 @@ def test_sliding_window_layers_get_the_training_mask(tiny_target, one_thread):
             got = cached.block_logits(feats[:, prev:anchor], seq[anchor], anchor)
             prev = anchor
             want = training_path_logits(drafter, feats, seq, anchor, 4)
-            assert torch.allclose(got, want, atol=1e-4), f"anchor {anchor}: max diff {(got - want).abs().max()}"
+            assert torch.allclose(got, want, atol=1e-4), (
+                f"anchor {anchor}: max diff {(got - want).abs().max()}"
+            )
     # control: without the window the same block gives other logits once the context exceeds it
     full = harness.sliding_mask
     try:
@@ -132,13 +147,26 @@ def test_miswired_drafter_scores_lower(trained_drafter, tiny_target, tmp_path, o
 
 def test_eval_cli_report_reference_and_comparison(trained_drafter, tiny_target, tmp_path, capsys, one_thread):
     prompts = write_prompt_file(tmp_path / "p.jsonl", [{"input_ids": p} for p in tiny_prompts(6)])
-    common = ["--target", tiny_target, "--prompts", prompts, "--max-new-tokens", 32, "--check-lossless", "all"]
+    common = [
+        "--target",
+        tiny_target,
+        "--prompts",
+        prompts,
+        "--max-new-tokens",
+        32,
+        "--check-lossless",
+        "all",
+    ]
     res = dflash("eval", "--drafter", trained_drafter, *common, "--out", tmp_path / "r" / "report.json")
     assert res.returncode == 0, res.stderr[-3000:]
     rep = json.loads((tmp_path / "r" / "report.json").read_text())
     assert rep["block_size"] == 8 and rep["mode"] == "cached" and rep["num_prompts"] == 6
     assert len(rep["per_position_acceptance"]) == 7
-    assert sum(rep["acceptance_histogram"].values()) == rep["rounds"] == sum(p["rounds"] for p in rep["per_prompt"])
+    assert (
+        sum(rep["acceptance_histogram"].values())
+        == rep["rounds"]
+        == sum(p["rounds"] for p in rep["per_prompt"])
+    )
     accepted = [a for p in rep["per_prompt"] for a in p["accepted"]]
     assert rep["tau"] == pytest.approx((sum(accepted) + len(accepted)) / len(accepted))
     assert rep["per_position_acceptance"][0] == pytest.approx(sum(a >= 1 for a in accepted) / len(accepted))
@@ -152,19 +180,36 @@ def test_eval_cli_report_reference_and_comparison(trained_drafter, tiny_target, 
     # the run's own stream gets an eval event (the monitor's tau panel, its metrics, the salvage notes)
     ev = [e for e in load_events(trained_drafter / "events.jsonl") if e["event"] == "eval"][-1]
     latest = read_latest(trained_drafter)
-    assert ev["tau"] == rep["tau"] and ev["checkpoint"] == latest.name and ev["step"] == read_meta(latest)["step"]
+    assert (
+        ev["tau"] == rep["tau"]
+        and ev["checkpoint"] == latest.name
+        and ev["step"] == read_meta(latest)["step"]
+    )
     assert ev["run_id"] and ev["report"] == str(tmp_path / "r" / "report.json") and ev["lossless_ok"] is True
     assert f"recorded tau in {trained_drafter / 'events.jsonl'}" in res.stdout
 
-    ref = dflash_here(capsys, "eval", "--drafter", trained_drafter, *common, "--reference", "--out", tmp_path / "ref.json")
+    ref = dflash_here(
+        capsys, "eval", "--drafter", trained_drafter, *common, "--reference", "--out", tmp_path / "ref.json"
+    )
     assert ref.returncode == 0, ref.stderr[-3000:]
     rref = json.loads((tmp_path / "ref.json").read_text())
     assert rref["mode"] == "reference" and rref["tau"] == rep["tau"]
     assert [p["tokens"] for p in rref["per_prompt"]] == [p["tokens"] for p in rep["per_prompt"]]
 
     bad = rewire(read_latest(trained_drafter), tmp_path / "miswired", [0, 1])
-    cmp_ = dflash_here(capsys, "eval", "--drafter", trained_drafter, "--drafter", bad, *common, "--block-size", 4,
-                  "--out", tmp_path / "cmp.json")
+    cmp_ = dflash_here(
+        capsys,
+        "eval",
+        "--drafter",
+        trained_drafter,
+        "--drafter",
+        bad,
+        *common,
+        "--block-size",
+        4,
+        "--out",
+        tmp_path / "cmp.json",
+    )
     assert cmp_.returncode == 0, cmp_.stderr[-3000:]
     doc = json.loads((tmp_path / "cmp.json").read_text())
     assert [r["label"] for r in doc["comparison"]] == ["run", "miswired"]
@@ -173,7 +218,9 @@ def test_eval_cli_report_reference_and_comparison(trained_drafter, tiny_target, 
     assert (tmp_path / "cmp.png").is_file() and "cmp.png" in (tmp_path / "cmp.md").read_text()
 
 
-def test_zlab_format_drafter_is_converted_with_its_layer_ids(trained_drafter, tiny_target, tmp_path, one_thread):
+def test_zlab_format_drafter_is_converted_with_its_layer_ids(
+    trained_drafter, tiny_target, tmp_path, one_thread
+):
     """A z-lab/SpecForge-format folder (layer id i = output of decoder layer i) goes through
     speculators' converter and scores exactly like the speculators checkpoint it was made from."""
     src = read_latest(trained_drafter)
@@ -181,9 +228,17 @@ def test_zlab_format_drafter_is_converted_with_its_layer_ids(trained_drafter, ti
     zlab = tmp_path / "zlab"
     zlab.mkdir()
     tl = dict(cfg["transformer_layer_config"])
-    tl.update({"architectures": ["DFlashDraftModel"], "block_size": cfg["block_size"], "num_target_layers": 4,
-               "dflash_config": {"target_layer_ids": [k - 1 for k in cfg["aux_hidden_state_layer_ids"]],
-                                 "mask_token_id": cfg["mask_token_id"]}})
+    tl.update(
+        {
+            "architectures": ["DFlashDraftModel"],
+            "block_size": cfg["block_size"],
+            "num_target_layers": 4,
+            "dflash_config": {
+                "target_layer_ids": [k - 1 for k in cfg["aux_hidden_state_layer_ids"]],
+                "mask_token_id": cfg["mask_token_id"],
+            },
+        }
+    )
     (zlab / "config.json").write_text(json.dumps(tl))
     body = {k: v for k, v in load_file(str(src / "model.safetensors")).items()}
     save_file(body, str(zlab / "model.safetensors"))
@@ -198,7 +253,15 @@ def test_zlab_format_drafter_is_converted_with_its_layer_ids(trained_drafter, ti
 
 def test_bad_inputs_fail_fast_with_clear_errors(trained_drafter, tiny_target, tmp_path, capsys):
     good = write_prompt_file(tmp_path / "ok.jsonl", [{"input_ids": [5, 6, 7]}])
-    base = ["eval", "--drafter", str(trained_drafter), "--target", str(tiny_target), "--out", str(tmp_path / "r.json")]
+    base = [
+        "eval",
+        "--drafter",
+        str(trained_drafter),
+        "--target",
+        str(tiny_target),
+        "--out",
+        str(tmp_path / "r.json"),
+    ]
     bad_json = tmp_path / "bad.jsonl"
     bad_json.write_text('{"input_ids": [1, 2]}\n{"prompt": \n')
     text = write_prompt_file(tmp_path / "text.jsonl", [{"prompt": "hello"}])
@@ -213,14 +276,34 @@ def test_bad_inputs_fail_fast_with_clear_errors(trained_drafter, tiny_target, tm
     for extra, message in cases:
         res = dflash_here(capsys, *base, *extra)
         assert res.returncode == 2 and message in res.stderr, (extra, res.stderr)
-    res = dflash_here(capsys, "eval", "--drafter", tmp_path / "nowhere", "--target", tiny_target, "--prompts", good,
-                      "--out", tmp_path / "r.json")
+    res = dflash_here(
+        capsys,
+        "eval",
+        "--drafter",
+        tmp_path / "nowhere",
+        "--target",
+        tiny_target,
+        "--prompts",
+        good,
+        "--out",
+        tmp_path / "r.json",
+    )
     assert res.returncode == 2 and "no config.json there and no checkpoints/latest" in res.stderr
     other = tmp_path / "other-target"
     from trainer.demo.synth import tiny_target as build
 
     build(other, hidden=32)
-    res = dflash_here(capsys, "eval", "--drafter", trained_drafter, "--target", other, "--prompts", good,
-                      "--out", tmp_path / "r.json")
+    res = dflash_here(
+        capsys,
+        "eval",
+        "--drafter",
+        trained_drafter,
+        "--target",
+        other,
+        "--prompts",
+        good,
+        "--out",
+        tmp_path / "r.json",
+    )
     assert res.returncode == 2 and "trained for another target" in res.stderr
     assert not (tmp_path / "r.json").exists()

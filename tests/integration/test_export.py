@@ -24,8 +24,14 @@ CPU = torch.device("cpu")
 
 
 def export(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "trainer.cli", "export", *map(str, args)], check=False,
-                          env=ENV, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "trainer.cli", "export", *map(str, args)],
+        check=False,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_export_is_weights_only_and_reloads_bit_identically(trained_drafter, tiny_target, tmp_path):
@@ -39,14 +45,20 @@ def test_export_is_weights_only_and_reloads_bit_identically(trained_drafter, tin
     info = json.loads((out / "dflash_export.json").read_text())
     assert info["bytes_after"] < info["bytes_before"] and info["step"] == 150
     assert "MiB before (with trainer state)" in res.stdout and "MiB after" in res.stdout
-    line = ("vllm serve " + str(tiny_target) + " --speculative-config '"
-            + json.dumps({"method": "dflash", "model": str(out.resolve()), "num_speculative_tokens": 7}) + "'")
+    line = (
+        "vllm serve "
+        + str(tiny_target)
+        + " --speculative-config '"
+        + json.dumps({"method": "dflash", "model": str(out.resolve()), "num_speculative_tokens": 7})
+        + "'"
+    )
     assert line in res.stdout and info["serve"] == line
     # independent of the export's own check: same tensors, same logits, loads with speculators
     a, b = load_file(str(ckpt / "model.safetensors")), load_file(str(out / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert torch.equal(probe_logits(load_drafter(ckpt, tiny_target, CPU)),
-                       probe_logits(load_drafter(out, tiny_target, CPU)))
+    assert torch.equal(
+        probe_logits(load_drafter(ckpt, tiny_target, CPU)), probe_logits(load_drafter(out, tiny_target, CPU))
+    )
     from speculators import SpeculatorModel
 
     model = SpeculatorModel.from_pretrained(str(out))

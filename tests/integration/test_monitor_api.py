@@ -30,12 +30,31 @@ DFLASH = [sys.executable, "-m", "trainer.cli"]
 
 def write_run(out: Path, steps: int = 5, total: int = 10, end: str | None = None) -> EventWriter:
     w = EventWriter(out, f"run-{out.name}")
-    w.emit("run_start", schema_version=1, config={"target": {"path": "/models/t"}, "hf_token": SECRET},
-           resumed_from=None, start_step=0, tokens=0, layout={"world_size": 1, "device": "cpu", "precision": "fp32"},
-           totals={"total_steps": total, "total_tokens": total * 100}, pid=os.getpid())
+    w.emit(
+        "run_start",
+        schema_version=1,
+        config={"target": {"path": "/models/t"}, "hf_token": SECRET},
+        resumed_from=None,
+        start_step=0,
+        tokens=0,
+        layout={"world_size": 1, "device": "cpu", "precision": "fp32"},
+        totals={"total_steps": total, "total_tokens": total * 100},
+        pid=os.getpid(),
+    )
     for s in range(1, steps + 1):
-        w.emit("step", step=s, total_steps=total, tokens=s * 100, loss=4.0 / s, eal=1.0 + s / 10, lr=1e-3,
-               position_acc=[0.6, 0.4, 0.2], tokens_per_s=250.0, grad_norm=1.0, step_s=0.4)
+        w.emit(
+            "step",
+            step=s,
+            total_steps=total,
+            tokens=s * 100,
+            loss=4.0 / s,
+            eal=1.0 + s / 10,
+            lr=1e-3,
+            position_acc=[0.6, 0.4, 0.2],
+            tokens_per_s=250.0,
+            grad_norm=1.0,
+            step_s=0.4,
+        )
         w.log(f"step {s}/{total} loss {4.0 / s:.4f} (hf token {SECRET})")
     w.emit("checkpoint", step=steps, name=f"step-{steps:08d}", size_bytes=4096, path=str(out / "checkpoints"))
     if end:
@@ -48,10 +67,12 @@ def fake_nvidia_smi(folder: Path) -> str:
     the real one does (`--format=csv,noheader,nounits`). Returns a PATH with it first."""
     folder.mkdir(parents=True, exist_ok=True)
     exe = folder / "nvidia-smi"
-    exe.write_text("#!/bin/sh\ncase \"$1\" in --query-gpu=index,name,utilization.gpu,memory.used,memory.total*) ;;"
-                   " *) echo unexpected query >&2; exit 9;; esac\n"
-                   "echo '0, NVIDIA H200, 97, 120000, 143771, 66, 650.12'\n"
-                   "echo '1, NVIDIA H200, 3, 1024, 143771, 35, [N/A]'\n")
+    exe.write_text(
+        '#!/bin/sh\ncase "$1" in --query-gpu=index,name,utilization.gpu,memory.used,memory.total*) ;;'
+        " *) echo unexpected query >&2; exit 9;; esac\n"
+        "echo '0, NVIDIA H200, 97, 120000, 143771, 66, 650.12'\n"
+        "echo '1, NVIDIA H200, 3, 1024, 143771, 35, [N/A]'\n"
+    )
     exe.chmod(0o755)
     return f"{folder}:{os.environ.get('PATH', '/usr/bin:/bin')}"
 
@@ -107,9 +128,18 @@ def test_status_events_log_and_curves(tmp_path, served):
     assert st["alerts"] == [] and st["alive"] is True and st["last_checkpoint"]["name"] == "step-00000005"
     assert st["position_acc"] == [0.6, 0.4, 0.2] and st["summary"] is None
     done = srv.json("/api/status?run=b")
-    assert done["status"] == "completed" and done["summary"]["loss_last"] == pytest.approx(4.0 / 3) and done["eta_s"] == 0.0
+    assert (
+        done["status"] == "completed"
+        and done["summary"]["loss_last"] == pytest.approx(4.0 / 3)
+        and done["eta_s"] == 0.0
+    )
     ev = srv.json("/api/events?run=a&since=3&limit=2")
-    assert ev["since"] == 3 and ev["next"] == 5 and ev["total"] == 7 and [e["step"] for e in ev["events"]] == [3, 4]
+    assert (
+        ev["since"] == 3
+        and ev["next"] == 5
+        and ev["total"] == 7
+        and [e["step"] for e in ev["events"]] == [3, 4]
+    )
     assert srv.json("/api/events?run=a&since=99")["events"] == []
     w.emit("step", step=6, total_steps=10, tokens=600, loss=0.5)
     w.log("a brand new line")
@@ -117,8 +147,9 @@ def test_status_events_log_and_curves(tmp_path, served):
     while srv.json("/api/status?run=a")["step"] != 6 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert srv.json("/api/events?run=a&since=7")["events"][0]["step"] == 6
-    assert srv.json("/api/log?run=a&lines=1")["lines"] == ["a brand new line"] or \
-        srv.json("/api/log?run=a&lines=1")["lines"][0].endswith("a brand new line")
+    assert srv.json("/api/log?run=a&lines=1")["lines"] == ["a brand new line"] or srv.json(
+        "/api/log?run=a&lines=1"
+    )["lines"][0].endswith("a brand new line")
     curves = srv.json("/api/curves?run=a&points=100")["curves"]
     assert [p[0] for p in curves["loss"]] == [1, 2, 3, 4, 5, 6] and set(curves) == {"loss", "eal", "lr"}
     resp, body = srv.request("/api/events?run=a&since=abc")
@@ -127,12 +158,16 @@ def test_status_events_log_and_curves(tmp_path, served):
 
 def test_process_gone_without_run_end(tmp_path, served):
     """A real process writes run_start with its pid and steps, then dies by kill -9 (no run_end)."""
-    code = ("import os, sys, time\nfrom pathlib import Path\nfrom trainer.events import EventWriter\n"
-            "w = EventWriter(Path(sys.argv[1]), 'victim')\n"
-            "w.emit('run_start', totals={'total_steps': 100, 'total_tokens': 1000}, pid=os.getpid())\n"
-            "for s in range(1, 4):\n    w.emit('step', step=s, total_steps=100, tokens=10 * s, loss=1.0)\n"
-            "print('ready', flush=True)\ntime.sleep(120)\n")
-    victim = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True, env=ENV)
+    code = (
+        "import os, sys, time\nfrom pathlib import Path\nfrom trainer.events import EventWriter\n"
+        "w = EventWriter(Path(sys.argv[1]), 'victim')\n"
+        "w.emit('run_start', totals={'total_steps': 100, 'total_tokens': 1000}, pid=os.getpid())\n"
+        "for s in range(1, 4):\n    w.emit('step', step=s, total_steps=100, tokens=10 * s, loss=1.0)\n"
+        "print('ready', flush=True)\ntime.sleep(120)\n"
+    )
+    victim = subprocess.Popen(
+        [sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True, env=ENV
+    )
     try:
         assert victim.stdout.readline().strip() == "ready"
         srv = served()
@@ -146,7 +181,12 @@ def test_process_gone_without_run_end(tmp_path, served):
         victim.wait()
     st = srv.json("/api/status")
     (gone,) = [a for a in st["alerts"] if a["kind"] == "process_gone"]
-    assert st["alive"] is False and st["status"] == "running" and gone["level"] == "error" and str(victim.pid) in gone["message"]
+    assert (
+        st["alive"] is False
+        and st["status"] == "running"
+        and gone["level"] == "error"
+        and str(victim.pid) in gone["message"]
+    )
 
 
 def test_metrics_parse_with_prometheus_client(tmp_path, served):
@@ -158,7 +198,10 @@ def test_metrics_parse_with_prometheus_client(tmp_path, served):
     assert resp.status == 200 and resp.getheader("Content-Type").startswith("text/plain; version=0.0.4")
     fams = {f.name: f for f in text_string_to_metric_families(body.decode())}
     value = {(f.name, tuple(sorted(s.labels.items()))): s.value for f in fams.values() for s in f.samples}
-    assert value[("dflash_step", (("run", "a"),))] == 4 and value[("dflash_progress_ratio", (("run", "a"),))] == 0.5
+    assert (
+        value[("dflash_step", (("run", "a"),))] == 4
+        and value[("dflash_progress_ratio", (("run", "a"),))] == 0.5
+    )
     assert value[("dflash_position_accuracy", (("position", "2"), ("run", "a")))] == 0.4
     assert value[("dflash_alert", (("kind", "disk_low"), ("run", "a")))] == 1
     assert value[("dflash_alert", (("kind", "stall"), ("run", "a")))] == 0
@@ -187,7 +230,12 @@ def test_sse_stream_sends_init_then_updates(tmp_path, served):
                 return kind, data
 
     kind, init = next_event()
-    assert kind == "init" and init["status"]["step"] == 2 and len(init["curves"]["loss"]) == 2 and len(init["log"]) == 2
+    assert (
+        kind == "init"
+        and init["status"]["step"] == 2
+        and len(init["curves"]["loss"]) == 2
+        and len(init["log"]) == 2
+    )
     w.emit("step", step=3, total_steps=10, tokens=300, loss=1.0, eal=1.2, lr=1e-3)
     w.log("third step")
     for _ in range(20):
@@ -202,21 +250,44 @@ def test_no_secret_no_path_escape_read_only(tmp_path, served):
     write_run(tmp_path / "run", steps=2)
     (tmp_path / "secret.txt").write_text("top secret file outside the run dir")
     srv = served(root=tmp_path / "run")
-    for path in ["/static/../../../../etc/passwd", "/static/..%2f..%2f..%2fetc%2fpasswd", "/static/%2e%2e/secret.txt",
-                 "/../secret.txt", "/etc/passwd", "/static/", "/static/index.html/..",
-                 "/api/log?run=../secret.txt", "/api/log?run=/etc", "/api/status?run=..", "/api/events?run=%2e%2e"]:
+    for path in [
+        "/static/../../../../etc/passwd",
+        "/static/..%2f..%2f..%2fetc%2fpasswd",
+        "/static/%2e%2e/secret.txt",
+        "/../secret.txt",
+        "/etc/passwd",
+        "/static/",
+        "/static/index.html/..",
+        "/api/log?run=../secret.txt",
+        "/api/log?run=/etc",
+        "/api/status?run=..",
+        "/api/events?run=%2e%2e",
+    ]:
         resp, body = srv.request(path)
         assert resp.status == 404, (path, resp.status)
         assert b"root:" not in body and b"top secret" not in body
     for method in ("POST", "PUT", "DELETE", "PATCH"):
         resp, _ = srv.request("/api/status", method=method)
         assert resp.status == 405
-    everything = b"".join(srv.request(p)[1] for p in
-                          ["/api/status", "/api/events?since=0&limit=100", "/api/log?lines=100", "/metrics", "/api/runs"])
-    assert SECRET.encode() not in everything and b"hf_token" in everything  # the key is listed, its value masked
+    everything = b"".join(
+        srv.request(p)[1]
+        for p in [
+            "/api/status",
+            "/api/events?since=0&limit=100",
+            "/api/log?lines=100",
+            "/metrics",
+            "/api/runs",
+        ]
+    )
+    assert (
+        SECRET.encode() not in everything and b"hf_token" in everything
+    )  # the key is listed, its value masked
     resp, body = srv.request("/")
     assert resp.status == 200 and b"dflash monitor" in body
-    assert "script-src 'self'" in resp.getheader("Content-Security-Policy") and resp.getheader("X-Content-Type-Options") == "nosniff"
+    assert (
+        "script-src 'self'" in resp.getheader("Content-Security-Policy")
+        and resp.getheader("X-Content-Type-Options") == "nosniff"
+    )
     resp, _ = srv.request("/api/status", headers={"Host": "evil.example:8080"})  # DNS rebinding
     assert resp.status == 403
 
@@ -243,17 +314,32 @@ def test_bind_address_needs_a_flag_and_a_token(tmp_path, served):
     assert cookie == f"dflash_monitor_token={token}" and "HttpOnly" in resp.getheader("Set-Cookie")
     # a wrong token in the query, even with a valid cookie, sets nothing (no header injection either)
     resp, _ = srv.request("/?token=evil%0d%0aX-Injected:%201", headers={"Cookie": cookie})
-    assert resp.status == 200 and resp.getheader("Set-Cookie") is None and resp.getheader("X-Injected") is None
-    assert srv.request("/api/status", headers={"Cookie": cookie, "Host": "198.51.100.7:8080"})[0].status == 200
+    assert (
+        resp.status == 200 and resp.getheader("Set-Cookie") is None and resp.getheader("X-Injected") is None
+    )
+    assert (
+        srv.request("/api/status", headers={"Cookie": cookie, "Host": "198.51.100.7:8080"})[0].status == 200
+    )
 
 
 def test_cli_monitor_refuses_remote_and_serves_a_dir_that_does_not_exist_yet(tmp_path):
-    res = subprocess.run([*DFLASH, "monitor", "--run-dir", str(tmp_path), "--host", "0.0.0.0"],
-                         capture_output=True, text=True, timeout=60, env=ENV, check=False)
+    res = subprocess.run(
+        [*DFLASH, "monitor", "--run-dir", str(tmp_path), "--host", "0.0.0.0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=ENV,
+        check=False,
+    )
     assert res.returncode == 2 and "refusing to bind 0.0.0.0" in res.stderr and "ssh -L" in res.stderr
     out = tmp_path / "later" / "run"
-    proc = subprocess.Popen([*DFLASH, "monitor", "--run-dir", str(out), "--port", "0"], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=ENV)
+    proc = subprocess.Popen(
+        [*DFLASH, "monitor", "--run-dir", str(out), "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=ENV,
+    )
     try:
         line = proc.stdout.readline()
         assert "dflash monitor: watching" in line, line
@@ -278,15 +364,36 @@ def test_cli_monitor_refuses_remote_and_serves_a_dir_that_does_not_exist_yet(tmp
 def test_gpu_stats_come_from_nvidia_smi_where_it_exists(tmp_path):
     write_run(tmp_path / "run", steps=2)
     env = {**ENV, "PATH": fake_nvidia_smi(tmp_path / "bin")}
-    res = subprocess.run([*DFLASH, "status", "--run-dir", str(tmp_path / "run"), "--json"], capture_output=True,
-                         text=True, timeout=60, env=env, check=False)
+    res = subprocess.run(
+        [*DFLASH, "status", "--run-dir", str(tmp_path / "run"), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        check=False,
+    )
     gpus = json.loads(res.stdout)["system"]["gpus"]
-    assert [(g["index"], g["util_percent"], g["mem_used_bytes"]) for g in gpus] == [(0, 97, 120000 * 2**20), (1, 3, 2**30)]
-    res = subprocess.run([*DFLASH, "status", "--run-dir", str(tmp_path / "run")], capture_output=True, text=True,
-                         timeout=60, env={**env, "COLUMNS": "120"}, check=False)
+    assert [(g["index"], g["util_percent"], g["mem_used_bytes"]) for g in gpus] == [
+        (0, 97, 120000 * 2**20),
+        (1, 3, 2**30),
+    ]
+    res = subprocess.run(
+        [*DFLASH, "status", "--run-dir", str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**env, "COLUMNS": "120"},
+        check=False,
+    )
     assert "GPU 0" in res.stdout and "util 97" in res.stdout and "no GPU seen" not in res.stdout
-    res = subprocess.run([*DFLASH, "status", "--run-dir", str(tmp_path / "run"), "--json"], capture_output=True,
-                         text=True, timeout=60, env={**ENV, "PATH": "/usr/bin:/bin"}, check=False)
+    res = subprocess.run(
+        [*DFLASH, "status", "--run-dir", str(tmp_path / "run"), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**ENV, "PATH": "/usr/bin:/bin"},
+        check=False,
+    )
     snap = json.loads(res.stdout)
     assert snap["system"]["gpus"] is None and snap["system"]["ram_total_bytes"] > 0  # CPU/RAM otherwise
 
@@ -294,24 +401,47 @@ def test_gpu_stats_come_from_nvidia_smi_where_it_exists(tmp_path):
 def test_cli_status_one_screen_and_json(tmp_path):
     write_run(tmp_path / "r1", steps=4, total=8)
     write_run(tmp_path / "r2", steps=3, total=3, end="completed")
-    res = subprocess.run([*DFLASH, "status", "--run-dir", str(tmp_path), "--disk-min-gb", "0"],
-                         capture_output=True, text=True, timeout=60, env={**ENV, "COLUMNS": "120"}, check=False)
+    res = subprocess.run(
+        [*DFLASH, "status", "--run-dir", str(tmp_path), "--disk-min-gb", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**ENV, "COLUMNS": "120"},
+        check=False,
+    )
     assert res.returncode == 0, res.stderr
     assert "step 4 / 8" in res.stdout and "running" in res.stdout and "runs under this folder" in res.stdout
     assert len(res.stdout.splitlines()) < 40 and SECRET not in res.stdout
-    res = subprocess.run([*DFLASH, "status", "--run-dir", str(tmp_path), "--run", "r2", "--json"],
-                         capture_output=True, text=True, timeout=60, env=ENV, check=False)
+    res = subprocess.run(
+        [*DFLASH, "status", "--run-dir", str(tmp_path), "--run", "r2", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=ENV,
+        check=False,
+    )
     snap = json.loads(res.stdout)
     assert snap["status"] == "completed" and snap["summary"]["step"] == 3
-    res = subprocess.run([*DFLASH, "status", "--run-dir", str(tmp_path), "--run", "nope"],
-                         capture_output=True, text=True, timeout=60, env=ENV, check=False)
+    res = subprocess.run(
+        [*DFLASH, "status", "--run-dir", str(tmp_path), "--run", "nope"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=ENV,
+        check=False,
+    )
     assert res.returncode == 2 and "no run 'nope'" in res.stdout
 
 
 def test_cli_status_watch_follows_the_run_until_ctrl_c(tmp_path):
     w = write_run(tmp_path, steps=2, total=10)
-    proc = subprocess.Popen([*DFLASH, "status", "--run-dir", str(tmp_path), "--watch", "--interval", "0.2"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**ENV, "COLUMNS": "120"})
+    proc = subprocess.Popen(
+        [*DFLASH, "status", "--run-dir", str(tmp_path), "--watch", "--interval", "0.2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**ENV, "COLUMNS": "120"},
+    )
     time.sleep(3)  # started and drawing
     w.emit("step", step=7, total_steps=10, tokens=700, loss=0.3)
     time.sleep(1.5)

@@ -31,8 +31,16 @@ from trainer.monitor.server import MonitorServer
 pytestmark = pytest.mark.slow
 
 CHROMIUM = "/usr/bin/chromium"
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--disable-background-networking",
-        "--disable-component-update", "--disable-sync", "--no-first-run"]
+ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 # Record, in the page's own clock, when the progress bar's step and the log change.
@@ -40,7 +48,9 @@ RECORDER = """() => {
   window.__noReload = true; window.__steps = []; window.__stepAt = {}; window.__logAt = {};
   new MutationObserver(() => {
     const s = Number(document.getElementById('progress-bar').dataset.step);
-    if (window.__steps[window.__steps.length - 1] !== s) { window.__steps.push(s); window.__stepAt[s] = Date.now(); }
+    if (window.__steps[window.__steps.length - 1] !== s) {
+      window.__steps.push(s); window.__stepAt[s] = Date.now();
+    }
   }).observe(document.getElementById('progress-bar'), {attributes: true});
   new MutationObserver(() => {
     for (const m of document.getElementById('log').textContent.matchAll(/marker-(\\d+)/g))
@@ -51,7 +61,9 @@ RECORDER = """() => {
 
 @pytest.fixture(scope="module")
 def browser():
-    assert Path(CHROMIUM).exists(), "Debian's chromium is missing: run scripts/setup-system (requirements/apt.txt)"
+    assert Path(CHROMIUM).exists(), (
+        "Debian's chromium is missing: run scripts/setup-system (requirements/apt.txt)"
+    )
     with sync_playwright() as p:
         b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
         yield b
@@ -68,15 +80,33 @@ def open_page(browser, url, tmp_path):
 
 
 def start_event(w: EventWriter, total: int, pid: int) -> None:
-    w.emit("run_start", schema_version=1, config={}, resumed_from=None, start_step=0, tokens=0,
-           layout={"world_size": 1, "device": "cpu", "precision": "fp32"},
-           totals={"total_steps": total, "total_tokens": total * 1000}, pid=pid)
+    w.emit(
+        "run_start",
+        schema_version=1,
+        config={},
+        resumed_from=None,
+        start_step=0,
+        tokens=0,
+        layout={"world_size": 1, "device": "cpu", "precision": "fp32"},
+        totals={"total_steps": total, "total_tokens": total * 1000},
+        pid=pid,
+    )
 
 
 def step_event(w: EventWriter, step: int, total: int, loss: float | str | None = None) -> None:
-    w.emit("step", step=step, total_steps=total, tokens=step * 1000,
-           loss=loss if loss is not None else 3.0 * math.exp(-step / 10) + 1, eal=1 + step / 20, lr=1e-3,
-           position_acc=[0.7, 0.5, 0.3], tokens_per_s=2000.0, step_s=0.5, grad_norm=1.0)
+    w.emit(
+        "step",
+        step=step,
+        total_steps=total,
+        tokens=step * 1000,
+        loss=loss if loss is not None else 3.0 * math.exp(-step / 10) + 1,
+        eal=1 + step / 20,
+        lr=1e-3,
+        position_acc=[0.7, 0.5, 0.3],
+        tokens_per_s=2000.0,
+        step_s=0.5,
+        grad_norm=1.0,
+    )
 
 
 def test_live_updates_alerts_summary_and_selector(browser, tmp_path, monkeypatch):
@@ -115,7 +145,9 @@ def test_live_updates_alerts_summary_and_selector(browser, tmp_path, monkeypatch
             log_lat.append(page.evaluate(f"window.__logAt['{s}']") - t0)
             time.sleep(0.25)
         assert statistics.median(step_lat) <= 1000 and statistics.median(log_lat) <= 1000, (step_lat, log_lat)
-        assert page.evaluate("window.__noReload") is True and page.evaluate("window.__steps") == list(range(4, 11))
+        assert page.evaluate("window.__noReload") is True and page.evaluate("window.__steps") == list(
+            range(4, 11)
+        )
         now_pct = float(bar.get_attribute("aria-valuenow"))
         assert now_pct == pytest.approx(20.0) and now_pct > before
         expect(page.get_by_test_id("log")).to_contain_text("step 10/50 marker-10")
@@ -163,11 +195,28 @@ def test_live_updates_alerts_summary_and_selector(browser, tmp_path, monkeypatch
 def test_real_training_run_from_before_start_to_summary(browser, tmp_path, tiny_target, tiny_data):
     STEPS = 300 if os.environ.get("DFLASH_MONITOR_SCREENSHOT") else 40
     out = tmp_path / "out"
-    cfg = write_config(tmp_path / "run.yaml", tiny_target, tiny_data, out,
-                       train={"max_tokens_per_batch": 256, "max_anchors": 32, "lr": 1.0e-3, "warmup_steps": 2,
-                              "max_steps": STEPS, "checkpoint_every": 10, "log_every": 1})
-    monitor = subprocess.Popen([sys.executable, "-m", "trainer.cli", "monitor", "--run-dir", str(out), "--port", "0"],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
+    cfg = write_config(
+        tmp_path / "run.yaml",
+        tiny_target,
+        tiny_data,
+        out,
+        train={
+            "max_tokens_per_batch": 256,
+            "max_anchors": 32,
+            "lr": 1.0e-3,
+            "warmup_steps": 2,
+            "max_steps": STEPS,
+            "checkpoint_every": 10,
+            "log_every": 1,
+        },
+    )
+    monitor = subprocess.Popen(
+        [sys.executable, "-m", "trainer.cli", "monitor", "--run-dir", str(out), "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=ENV,
+    )
     train = None
     try:
         line = monitor.stdout.readline()
@@ -176,13 +225,20 @@ def test_real_training_run_from_before_start_to_summary(browser, tmp_path, tiny_
         ctx, page, errors = open_page(browser, url, tmp_path)
         expect(page.get_by_test_id("step-text")).to_have_text("waiting for the run to start", timeout=15_000)
         page.evaluate(RECORDER)
-        train = subprocess.Popen([sys.executable, "-m", "trainer.cli", "train", "--config", str(cfg)],
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
+        train = subprocess.Popen(
+            [sys.executable, "-m", "trainer.cli", "train", "--config", str(cfg)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=ENV,
+        )
         expect(page.get_by_test_id("status")).to_have_text("running", timeout=120_000)
         page.wait_for_function("() => window.__steps.filter(s => s > 0).length >= 3", timeout=120_000)
         shot = os.environ.get("DFLASH_MONITOR_SCREENSHOT")
         if shot:  # mid-run: progress, ETA and curves all showing
-            page.wait_for_function(f"() => window.__steps[window.__steps.length - 1] >= {STEPS * 2 // 3}", timeout=300_000)
+            page.wait_for_function(
+                f"() => window.__steps[window.__steps.length - 1] >= {STEPS * 2 // 3}", timeout=300_000
+            )
             page.wait_for_timeout(300)
             page.screenshot(path=shot, full_page=True)
         output, _ = train.communicate(timeout=300)

@@ -26,7 +26,18 @@ pytestmark = pytest.mark.slow
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 DFLASH = [sys.executable, "-m", "trainer.cli"]
-SPECIAL = ["<pad>", "<s>", "</s>", "<unk>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "user", "assistant"]
+SPECIAL = [
+    "<pad>",
+    "<s>",
+    "</s>",
+    "<unk>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<think>",
+    "</think>",
+    "user",
+    "assistant",
+]
 TEMPLATE = (
     "{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
     "{% if add_generation_prompt %}<|im_start|> assistant "
@@ -50,21 +61,35 @@ def chat_target(tmp_path_factory) -> Path:
     vocab = {t: i for i, t in enumerate(SPECIAL)} | {f"w{i}": i for i in range(len(SPECIAL), 512)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                                   unk_token="<unk>", additional_special_tokens=SPECIAL[4:8])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        additional_special_tokens=SPECIAL[4:8],
+    )
     fast.chat_template = TEMPLATE
     fast.save_pretrained(str(folder))
     model = AutoModelForCausalLM.from_pretrained(str(folder))
     rng = np.random.default_rng(0)
-    chats = [fast.apply_chat_template([{"role": "user", "content": " ".join(f"w{i}" for i in rng.integers(10, 512, 8))}],
-                                      add_generation_prompt=True, tokenize=True, enable_thinking=bool(k % 2))
-             for k in range(16)]
+    chats = [
+        fast.apply_chat_template(
+            [{"role": "user", "content": " ".join(f"w{i}" for i in rng.integers(10, 512, 8))}],
+            add_generation_prompt=True,
+            tokenize=True,
+            enable_thinking=bool(k % 2),
+        )
+        for k in range(16)
+    ]
     chats = [c["input_ids"] if hasattr(c, "keys") else c for c in chats]
     with torch.no_grad():
         counts = torch.zeros(512, dtype=torch.long)
         for c in chats:  # the tokens greedy answers use most: the end of turn takes the top one's place
-            out = model.generate(torch.tensor([c]), max_new_tokens=24, min_new_tokens=24, do_sample=False, pad_token_id=0)
-            counts += torch.bincount(out[0, len(c):], minlength=512)
+            out = model.generate(
+                torch.tensor([c]), max_new_tokens=24, min_new_tokens=24, do_sample=False, pad_token_id=0
+            )
+            counts += torch.bincount(out[0, len(c) :], minlength=512)
         counts[:10] = 0
         model.lm_head.weight[IM_END] = model.lm_head.weight[int(counts.argmax())] * 1.05
     model.save_pretrained(str(folder))
@@ -73,9 +98,17 @@ def chat_target(tmp_path_factory) -> Path:
 
 def prompts_file(path: Path, n: int, seed: int = 0) -> Path:
     rng = np.random.default_rng(seed)
-    rows = [{"prompt": " ".join(f"w{i}" for i in rng.integers(10, 512, size=rng.integers(4, 12)))} for _ in range(n)]
-    rows[0] = {"messages": [{"role": "user", "content": "w11 w12 w13"}, {"role": "assistant", "content": "w14"},
-                            {"role": "user", "content": "w15 w16"}]}
+    rows = [
+        {"prompt": " ".join(f"w{i}" for i in rng.integers(10, 512, size=rng.integers(4, 12)))}
+        for _ in range(n)
+    ]
+    rows[0] = {
+        "messages": [
+            {"role": "user", "content": "w11 w12 w13"},
+            {"role": "assistant", "content": "w14"},
+            {"role": "user", "content": "w15 w16"},
+        ]
+    }
     return write_prompt_file(path, rows)
 
 
@@ -84,8 +117,16 @@ def test_dataset_format_mask_stop_rule_metadata_and_data_gate(chat_target, tmp_p
     from trainer.eval.prompts import load_tokenizer
     from trainer.preflight import run_preflight
 
-    out = regenerate(RegenOptions(chat_target, prompts_file(tmp_path / "p.jsonl", 24), tmp_path / "ds",
-                                  max_new_tokens=40, batch_size=8, thinking="off"))
+    out = regenerate(
+        RegenOptions(
+            chat_target,
+            prompts_file(tmp_path / "p.jsonl", 24),
+            tmp_path / "ds",
+            max_new_tokens=40,
+            batch_size=8,
+            thinking="off",
+        )
+    )
     ds = datasets.load_from_disk(str(out))
     assert ds.column_names == ["input_ids", "loss_mask"] and len(ds) == 24
     tok = load_tokenizer(chat_target)
@@ -95,7 +136,9 @@ def test_dataset_format_mask_stop_rule_metadata_and_data_gate(chat_target, tmp_p
         plen = mask.index(1)
         assert set(mask[:plen]) == {0} and set(mask[plen:]) == {1}, "mask must cover exactly the response"
         prompt = tok.decode(ids[:plen])
-        assert prompt.startswith("<|im_start|> user") and prompt.endswith("<|im_start|> assistant <think> </think>")
+        assert prompt.startswith("<|im_start|> user") and prompt.endswith(
+            "<|im_start|> assistant <think> </think>"
+        )
         response = ids[plen:]
         assert IM_END not in response[:-1], "nothing may follow the end of turn"
         stopped += response[-1] == IM_END
@@ -106,8 +149,14 @@ def test_dataset_format_mask_stop_rule_metadata_and_data_gate(chat_target, tmp_p
     assert meta["template"]["template_sha256"] and IM_END in meta["stop_token_ids"]
     assert meta["response_tokens_total"] == sum(sum(m) for m in ds["loss_mask"])
     assert not (tmp_path / ".ds.partial").exists()
-    cfg = write_config(tmp_path / "run.yaml", chat_target, out, tmp_path / "run",
-                       drafter={"mask_token_id": 511}, preflight={"min_supervised_tokens": 2})
+    cfg = write_config(
+        tmp_path / "run.yaml",
+        chat_target,
+        out,
+        tmp_path / "run",
+        drafter={"mask_token_id": 511},
+        preflight={"min_supervised_tokens": 2},
+    )
     report = run_preflight(load_config(cfg))
     data_problems = [p for p in report.errors if p.code.startswith("data.")]
     assert data_problems == [] and report.data["usable"] == 24
@@ -120,8 +169,12 @@ def test_resumes_after_kill_9_with_the_same_result(chat_target, tmp_path):
     ref = regenerate(opts)
     out = tmp_path / "ds"
     partial = tmp_path / ".ds.partial"
-    proc = subprocess.Popen([*DFLASH, "regenerate", *map(str, args), "--out", str(out)], env=ENV,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [*DFLASH, "regenerate", *map(str, args), "--out", str(out)],
+        env=ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         end = time.monotonic() + 240
         while time.monotonic() < end and len(list(partial.glob("batch-*.json"))) < 3:
@@ -132,8 +185,14 @@ def test_resumes_after_kill_9_with_the_same_result(chat_target, tmp_path):
     done_before = len(list(partial.glob("batch-*.json")))
     assert 3 <= done_before < 20, f"kill landed at {done_before} of 20 batches"
     assert not out.exists(), "a killed run must not leave a dataset under the final name"
-    res = subprocess.run([*DFLASH, "regenerate", *map(str, args), "--out", str(out)], check=False, env=ENV,
-                         capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [*DFLASH, "regenerate", *map(str, args), "--out", str(out)],
+        check=False,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     assert "resuming:" in res.stdout and "of 20 batches already done" in res.stdout
     a, b = datasets.load_from_disk(str(ref)), datasets.load_from_disk(str(out))
@@ -152,18 +211,46 @@ def test_resumes_after_kill_9_with_the_same_result(chat_target, tmp_path):
 def test_eval_warns_when_thinking_mode_differs_from_training_data(chat_target, tmp_path, capsys, one_thread):
     from trainer.cli import main
 
-    out = regenerate(RegenOptions(chat_target, prompts_file(tmp_path / "p.jsonl", 16), tmp_path / "ds",
-                                  max_new_tokens=32, batch_size=8, thinking="on"))
-    cfg = write_config(tmp_path / "run.yaml", chat_target, out, tmp_path / "run",
-                       drafter={"mask_token_id": 511, "block_size": 4},
-                       train={"max_steps": 3, "checkpoint_every": 3, "max_tokens_per_batch": 256, "max_anchors": 16},
-                       preflight={"min_supervised_tokens": 2})
-    res = subprocess.run([*DFLASH, "train", "--config", str(cfg)], check=False, env=ENV, capture_output=True,
-                         text=True, timeout=300)
+    out = regenerate(
+        RegenOptions(
+            chat_target,
+            prompts_file(tmp_path / "p.jsonl", 16),
+            tmp_path / "ds",
+            max_new_tokens=32,
+            batch_size=8,
+            thinking="on",
+        )
+    )
+    cfg = write_config(
+        tmp_path / "run.yaml",
+        chat_target,
+        out,
+        tmp_path / "run",
+        drafter={"mask_token_id": 511, "block_size": 4},
+        train={"max_steps": 3, "checkpoint_every": 3, "max_tokens_per_batch": 256, "max_anchors": 16},
+        preflight={"min_supervised_tokens": 2},
+    )
+    res = subprocess.run(
+        [*DFLASH, "train", "--config", str(cfg)],
+        check=False,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     evalp = prompts_file(tmp_path / "e.jsonl", 2, seed=3)
-    common = ["eval", "--drafter", str(tmp_path / "run"), "--target", str(chat_target), "--prompts", str(evalp),
-              "--max-new-tokens", "8"]
+    common = [
+        "eval",
+        "--drafter",
+        str(tmp_path / "run"),
+        "--target",
+        str(chat_target),
+        "--prompts",
+        str(evalp),
+        "--max-new-tokens",
+        "8",
+    ]
     capsys.readouterr()
     assert main([*common, "--thinking", "off", "--out", str(tmp_path / "off.json")]) == 0
     rep = json.loads((tmp_path / "off.json").read_text())

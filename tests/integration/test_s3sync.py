@@ -22,10 +22,18 @@ DFLASH = [sys.executable, "-m", "trainer.cli"]
 
 
 def s3(*args, check_rc: int | None = 0) -> subprocess.CompletedProcess:
-    res = subprocess.run([*DFLASH, "s3", *map(str, args)], env=s3_env({**os.environ, "HF_HUB_OFFLINE": "1"}),
-                         capture_output=True, text=True, timeout=300, check=False)
+    res = subprocess.run(
+        [*DFLASH, "s3", *map(str, args)],
+        env=s3_env({**os.environ, "HF_HUB_OFFLINE": "1"}),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     if check_rc is not None:
-        assert res.returncode == check_rc, f"exit {res.returncode}\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
+        assert res.returncode == check_rc, (
+            f"exit {res.returncode}\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
+        )
     return res
 
 
@@ -40,8 +48,11 @@ def tree(root: Path) -> Path:
 
 
 def digests(root: Path) -> dict[str, str]:
-    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file() and not p.is_symlink() and ".s3-partial" not in p.parts}
+    return {
+        p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and not p.is_symlink() and ".s3-partial" not in p.parts
+    }
 
 
 def test_round_trip_is_proven_idempotent_and_repairs(tmp_path, moto):
@@ -58,14 +69,25 @@ def test_round_trip_is_proven_idempotent_and_repairs(tmp_path, moto):
     assert first["ok"] and first["downloaded"] == 5 and first["present"] == 0 and first["links_placed"] == 1
     assert digests(dest) == digests(src)
     assert os.readlink(dest / "latest") == "shards/part-0.bin"
-    assert (dest / "shards" / "part-2.bin").stat().st_mtime_ns == (src / "shards" / "part-2.bin").stat().st_mtime_ns
+    assert (dest / "shards" / "part-2.bin").stat().st_mtime_ns == (
+        src / "shards" / "part-2.bin"
+    ).stat().st_mtime_ns
     assert not (dest / ".s3-partial").exists()
-    verify = subprocess.run([*DFLASH, "manifest", "verify", str(dest), str(tmp_path / "host" / "data" / "tok.manifest.json")],
-                            capture_output=True, text=True, check=False)
+    verify = subprocess.run(
+        [*DFLASH, "manifest", "verify", str(dest), str(tmp_path / "host" / "data" / "tok.manifest.json")],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert verify.returncode == 0, verify.stdout + verify.stderr
 
     second = json.loads(s3("pull", url, dest, "--endpoint-url", moto.endpoint_url, "--json").stdout)
-    assert second["ok"] and second["downloaded"] == 0 and second["downloaded_bytes"] == 0 and second["present"] == 5
+    assert (
+        second["ok"]
+        and second["downloaded"] == 0
+        and second["downloaded_bytes"] == 0
+        and second["present"] == 5
+    )
 
     # same size, other bytes (a quick size/mtime check would miss it), one file gone, one extra file
     victim = dest / "shards" / "part-1.bin"
@@ -75,7 +97,10 @@ def test_round_trip_is_proven_idempotent_and_repairs(tmp_path, moto):
     (dest / "info.json").unlink()
     (dest / "mine.txt").write_text("a note the user keeps here\n")
     check = json.loads(s3("pull", url, dest, "--endpoint-url", moto.endpoint_url, "--json", "--check").stdout)
-    assert {p["path"]: p["why"] for p in check["plan"]} == {"info.json": "missing", "shards/part-1.bin": "differs"}
+    assert {p["path"]: p["why"] for p in check["plan"]} == {
+        "info.json": "missing",
+        "shards/part-1.bin": "differs",
+    }
     assert not (dest / "info.json").exists()  # --check moved nothing
     third = json.loads(s3("pull", url, dest, "--endpoint-url", moto.endpoint_url, "--json").stdout)
     assert third["ok"] and third["downloaded"] == 2 and third["extra"] == ["mine.txt"]
@@ -92,9 +117,23 @@ def test_pull_killed_midway_resumes_from_its_partial_file(tmp_path, moto):
     s3("push", src, url, "--endpoint-url", moto.endpoint_url, "--no-progress")
     dest = tmp_path / "host" / "target"
     part = dest / ".s3-partial" / "model.safetensors"
-    proc = subprocess.Popen([*DFLASH, "s3", "pull", url, str(dest), "--endpoint-url", moto.endpoint_url,
-                             "--bwlimit-kbps", "4096", "--no-progress"],
-                            env=s3_env({**os.environ}), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [
+            *DFLASH,
+            "s3",
+            "pull",
+            url,
+            str(dest),
+            "--endpoint-url",
+            moto.endpoint_url,
+            "--bwlimit-kbps",
+            "4096",
+            "--no-progress",
+        ],
+        env=s3_env({**os.environ}),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     try:
         assert wait_for(lambda: part.is_file() and part.stat().st_size >= 6 * 2**20, timeout=120), proc.stderr
     finally:
@@ -152,7 +191,9 @@ def test_a_destination_without_room_is_refused_before_downloading(tmp_path, moto
     small = tmp_path / "small"
     small.mkdir()
     # a real 4 MiB filesystem (tmpfs; root) for a 6 MiB set
-    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(small)], capture_output=True, text=True)
+    mount = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(small)], capture_output=True, text=True
+    )
     if mount.returncode != 0:
         pytest.fail(f"cannot mount a small tmpfs for this check (needs root): {mount.stderr}")
     try:

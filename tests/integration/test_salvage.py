@@ -39,11 +39,19 @@ OUTPUTS: list[str] = []  # every stdout/stderr of every salvage command: searche
 
 
 def dflash(*args, env=None, timeout=600, check_rc: int | None = None) -> subprocess.CompletedProcess:
-    res = subprocess.run([*DFLASH, "salvage", *map(str, args)], env=env or s3_env(BASE_ENV), capture_output=True,
-                         text=True, timeout=timeout, check=False)
+    res = subprocess.run(
+        [*DFLASH, "salvage", *map(str, args)],
+        env=env or s3_env(BASE_ENV),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
     OUTPUTS.append(res.stdout + res.stderr)
     if check_rc is not None:
-        assert res.returncode == check_rc, f"exit {res.returncode}\n{res.stdout[-4000:]}\n{res.stderr[-4000:]}"
+        assert res.returncode == check_rc, (
+            f"exit {res.returncode}\n{res.stdout[-4000:]}\n{res.stderr[-4000:]}"
+        )
     return res
 
 
@@ -62,7 +70,10 @@ def keys(c, bucket: str, prefix: str) -> dict[str, int]:
 @pytest.fixture(scope="session")
 def rgw():
     if not have_radosgw():
-        pytest.fail("Ceph radosgw is not installed: run scripts/setup-system (requirements/apt.txt: ceph-mon ceph-osd radosgw)")
+        pytest.fail(
+            "Ceph radosgw is not installed: run scripts/setup-system (requirements/apt.txt: ceph-mon "
+            "ceph-osd radosgw)"
+        )
     server = RadosGW().start()
     client(server.endpoint_url).create_bucket(Bucket="salvage")
     yield server
@@ -73,8 +84,21 @@ def rgw():
 def finished_run(tmp_path_factory, tiny_target, tiny_data) -> Path:
     """A completed real run: 4 steps, checkpoints at 2 and 4."""
     root = tmp_path_factory.mktemp("finished")
-    cfg = write_config(root / "run.yaml", tiny_target, tiny_data, root / "run", train={**FAST, "max_steps": 4, "checkpoint_every": 2})
-    res = subprocess.run([*DFLASH, "train", "--config", str(cfg)], env=BASE_ENV, capture_output=True, text=True, timeout=300, check=False)
+    cfg = write_config(
+        root / "run.yaml",
+        tiny_target,
+        tiny_data,
+        root / "run",
+        train={**FAST, "max_steps": 4, "checkpoint_every": 2},
+    )
+    res = subprocess.run(
+        [*DFLASH, "train", "--config", str(cfg)],
+        env=BASE_ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     return root / "run"
 
@@ -86,8 +110,12 @@ def fake_sglang(tmp_path: Path) -> subprocess.Popen:
     (pkg / "__init__.py").write_text("")
     (pkg / "launch_server.py").write_text("import time\nwhile True:\n    time.sleep(1)\n")
     env = {**BASE_ENV, "PYTHONPATH": str(tmp_path / "fakepkgs")}
-    return subprocess.Popen([sys.executable, "-m", "sglang.launch_server", "--model-path", "/models/none", "--port", "30000"],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return subprocess.Popen(
+        [sys.executable, "-m", "sglang.launch_server", "--model-path", "/models/none", "--port", "30000"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 def test_salvage_end_to_end_on_radosgw(tmp_path, tiny_target, tiny_data, rgw):
@@ -95,10 +123,19 @@ def test_salvage_end_to_end_on_radosgw(tmp_path, tiny_target, tiny_data, rgw):
     a final checkpoint -> collect -> push with the endpoint killed mid-upload -> re-run completes ->
     verify reads everything back -> notes -> a second full run moves 0 bytes -> no credential anywhere."""
     out = tmp_path / "run"
-    cfg = write_config(tmp_path / "run.yaml", tiny_target, tiny_data, out,
-                       train={**FAST, "max_steps": 100000, "checkpoint_every": 3})
-    trainer = subprocess.Popen([*DFLASH, "train", "--config", str(cfg)], env=BASE_ENV,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    cfg = write_config(
+        tmp_path / "run.yaml",
+        tiny_target,
+        tiny_data,
+        out,
+        train={**FAST, "max_steps": 100000, "checkpoint_every": 3},
+    )
+    trainer = subprocess.Popen(
+        [*DFLASH, "train", "--config", str(cfg)],
+        env=BASE_ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     sglang = fake_sglang(tmp_path)
     set_dir = tmp_path / "salvage-set"
     url = "s3://salvage/e2e/node-a"
@@ -107,7 +144,18 @@ def test_salvage_end_to_end_on_radosgw(tmp_path, tiny_target, tiny_data, rgw):
     big.parent.mkdir()
     with open(big, "wb") as fh:  # a large artifact so that the endpoint can die mid-upload
         fh.writelines(os.urandom(8 * 2**20) for _ in range(24))
-    common = ["--run-dir", out, "--out", set_dir, "--s3", url, "--endpoint-url", rgw.endpoint_url, "--include", big]
+    common = [
+        "--run-dir",
+        out,
+        "--out",
+        set_dir,
+        "--s3",
+        url,
+        "--endpoint-url",
+        rgw.endpoint_url,
+        "--include",
+        big,
+    ]
     try:
         assert wait_for(lambda: len(events(out, "checkpoint")) >= 2, 240), "the trainer wrote no checkpoints"
 
@@ -116,7 +164,10 @@ def test_salvage_end_to_end_on_radosgw(tmp_path, tiny_target, tiny_data, rgw):
         by_pid = {p["pid"]: p for p in inv["processes"]}
         assert by_pid[trainer.pid]["kind"] == "trainer" and by_pid[trainer.pid]["action"] == "stop"
         assert by_pid[sglang.pid]["kind"] == "server" and by_pid[sglang.pid]["what"] == "sglang"
-        assert by_pid[sglang.pid]["action"] == "report" and "sglang.launch_server" in by_pid[sglang.pid]["cmdline"]
+        assert (
+            by_pid[sglang.pid]["action"] == "report"
+            and "sglang.launch_server" in by_pid[sglang.pid]["cmdline"]
+        )
         assert inv["will_stop"] == [trainer.pid]
         assert inv["gpu_listing"] is False and "nvidia-smi not found" in inv["gpu_note"]
 
@@ -138,7 +189,11 @@ def test_salvage_end_to_end_on_radosgw(tmp_path, tiny_target, tiny_data, rgw):
         assert sglang.poll() is None, "salvage stopped the sglang server it must leave alone"
 
         # 4. collect
-        rep = json.loads(dflash("collect", "--run-dir", out, "--out", set_dir, "--include", big, "--json", check_rc=0).stdout)
+        rep = json.loads(
+            dflash(
+                "collect", "--run-dir", out, "--out", set_dir, "--include", big, "--json", check_rc=0
+            ).stdout
+        )
         names = [c["name"] for c in rep["checkpoints"]]
         assert names == [p.name for p in list_checkpoints(out)[-2:]] and final["name"] in names
         assert (set_dir / "extra" / "big-log.bin").stat().st_size == big.stat().st_size
@@ -148,13 +203,35 @@ def test_salvage_end_to_end_on_radosgw(tmp_path, tiny_target, tiny_data, rgw):
 
         # 5. the S3 endpoint dies mid-upload
         env = s3_env(BASE_ENV)
-        push = subprocess.Popen([*DFLASH, "salvage", "push", str(set_dir), "--s3", url, "--endpoint-url", rgw.endpoint_url,
-                                 "--workers", "1", "--chunk-mib", "5", "--json", "--no-progress"],
-                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        push = subprocess.Popen(
+            [
+                *DFLASH,
+                "salvage",
+                "push",
+                str(set_dir),
+                "--s3",
+                url,
+                "--endpoint-url",
+                rgw.endpoint_url,
+                "--workers",
+                "1",
+                "--chunk-mib",
+                "5",
+                "--json",
+                "--no-progress",
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
 
         def big_upload_started() -> bool:
             ups = s3c.list_multipart_uploads(Bucket="salvage", Prefix="e2e/").get("Uploads", [])
-            return any(s3c.list_parts(Bucket="salvage", Key=u["Key"], UploadId=u["UploadId"]).get("Parts") for u in ups)
+            return any(
+                s3c.list_parts(Bucket="salvage", Key=u["Key"], UploadId=u["UploadId"]).get("Parts")
+                for u in ups
+            )
 
         assert wait_for(big_upload_started, 120, 0.02), "the multipart upload never started"
         rgw.kill_gateway()
@@ -164,11 +241,24 @@ def test_salvage_end_to_end_on_radosgw(tmp_path, tiny_target, tiny_data, rgw):
         first = json.loads(stdout)
         assert not first["ok"] and any(f["path"] == "extra/big-log.bin" for f in first["failed"])
         rgw.start_gateway()
-        assert "e2e/node-a/MANIFEST.json" not in keys(s3c, "salvage", "e2e/"), "a manifest for an incomplete set"
+        assert "e2e/node-a/MANIFEST.json" not in keys(s3c, "salvage", "e2e/"), (
+            "a manifest for an incomplete set"
+        )
 
         # 6. the re-run completes, aborting the upload the dead endpoint left behind
-        second = json.loads(dflash("push", set_dir, "--s3", url, "--endpoint-url", rgw.endpoint_url, "--json",
-                                   "--no-progress", check_rc=0).stdout)
+        second = json.loads(
+            dflash(
+                "push",
+                set_dir,
+                "--s3",
+                url,
+                "--endpoint-url",
+                rgw.endpoint_url,
+                "--json",
+                "--no-progress",
+                check_rc=0,
+            ).stdout
+        )
         assert "e2e/node-a/extra/big-log.bin" in second["aborted_stale_uploads"]
         assert second["skipped"] >= 1, "objects finished before the kill were sent again"
         assert s3c.list_multipart_uploads(Bucket="salvage", Prefix="e2e/").get("Uploads", []) == []
@@ -179,7 +269,9 @@ def test_salvage_end_to_end_on_radosgw(tmp_path, tiny_target, tiny_data, rgw):
         res = dflash("verify", "--s3", url, "--endpoint-url", rgw.endpoint_url, "--out", set_dir, check_rc=0)
         assert res.stdout.startswith(f"salvage verify {url}: OK")
         ver = json.loads((set_dir / ".salvage" / "verify.json").read_text())
-        assert ver["checked"] == ver["entries"] == len([e for e in manifest["files"].values() if "sha256" in e])
+        assert (
+            ver["checked"] == ver["entries"] == len([e for e in manifest["files"].values() if "sha256" in e])
+        )
         assert all(c["ok"] and "one CPU forward" in c["how"] for c in ver["load"]["checkpoints"].values())
         assert ver["load"]["datasets"]["data/ds"]["verdict"] == "PASSED"
         assert any(r["prefix"] == "run/checkpoints/" for r in ver["inventory"])
@@ -191,7 +283,9 @@ def test_salvage_end_to_end_on_radosgw(tmp_path, tiny_target, tiny_data, rgw):
         assert f"| {sglang.pid} | server |" in notes and "left running" in notes
         assert f"stopped at step {stop['end']['step']} with final checkpoint {final['name']}" in notes
         assert "data gate **PASSED**" in notes and url in notes
-        assert "## The run, from its event stream" in notes and f"progress step {stop['end']['step']}/" in notes
+        assert (
+            "## The run, from its event stream" in notes and f"progress step {stop['end']['step']}/" in notes
+        )
         report = json.loads((set_dir / "salvage-report.json").read_text())
         assert report["node_can_go"] is True and report["stop"]["state"] == "stopped"
         dflash("push", set_dir, "--s3", url, "--endpoint-url", rgw.endpoint_url, "--no-progress", check_rc=0)
@@ -199,7 +293,9 @@ def test_salvage_end_to_end_on_radosgw(tmp_path, tiny_target, tiny_data, rgw):
 
         # 9. a second full run: nothing moves, everything is verified again, the notes are unchanged
         res = dflash("all", *common, check_rc=0)
-        assert res.stdout.count("uploaded 0 object(s) + 0 record(s) (NOTES.md, report), 0 bytes") == 2, res.stdout
+        assert res.stdout.count("uploaded 0 object(s) + 0 record(s) (NOTES.md, report), 0 bytes") == 2, (
+            res.stdout
+        )
         assert f"salvage verify {url}: OK" in res.stdout and "not_running" in res.stdout
         assert (set_dir / "NOTES.md").read_text() == notes
         assert sglang.poll() is None
@@ -211,7 +307,9 @@ def test_salvage_end_to_end_on_radosgw(tmp_path, tiny_target, tiny_data, rgw):
                 texts[str(p)] = p.read_bytes().decode("latin-1")
         for key in keys(s3c, "salvage", "e2e/"):
             texts[f"s3:{key}"] = s3c.get_object(Bucket="salvage", Key=key)["Body"].read().decode("latin-1")
-        leaked = [where for where, text in texts.items() if TEST_SECRET_KEY in text or TEST_ACCESS_KEY in text]
+        leaked = [
+            where for where, text in texts.items() if TEST_SECRET_KEY in text or TEST_ACCESS_KEY in text
+        ]
         assert leaked == [], f"credentials found in {leaked}"
         assert len(texts) > 40
     finally:
@@ -223,7 +321,11 @@ def test_salvage_end_to_end_on_radosgw(tmp_path, tiny_target, tiny_data, rgw):
 
 def _collect_and_push(run: Path, set_dir: Path, url: str, endpoint: str, *extra) -> dict:
     dflash("collect", "--run-dir", run, "--out", set_dir, *extra, check_rc=0)
-    return json.loads(dflash("push", set_dir, "--s3", url, "--endpoint-url", endpoint, "--json", "--no-progress", check_rc=0).stdout)
+    return json.loads(
+        dflash(
+            "push", set_dir, "--s3", url, "--endpoint-url", endpoint, "--json", "--no-progress", check_rc=0
+        ).stdout
+    )
 
 
 def test_verify_names_every_damaged_or_missing_object(tmp_path, finished_run, rgw):
@@ -235,9 +337,16 @@ def test_verify_names_every_damaged_or_missing_object(tmp_path, finished_run, rg
     body = s3c.get_object(Bucket="salvage", Key=bad_key)["Body"].read()
     meta = s3c.head_object(Bucket="salvage", Key=bad_key)["Metadata"]
     # same size, same sha256 claim in the metadata: only reading the bytes back can tell
-    s3c.put_object(Bucket="salvage", Key=bad_key, Body=body.replace(b'"block_size": 4', b'"block_size": 5'), Metadata=meta)
+    s3c.put_object(
+        Bucket="salvage",
+        Key=bad_key,
+        Body=body.replace(b'"block_size": 4', b'"block_size": 5'),
+        Metadata=meta,
+    )
     s3c.delete_object(Bucket="salvage", Key="damaged/run/train.log")
-    res = dflash("verify", "--s3", url, "--endpoint-url", rgw.endpoint_url, "--no-load-checkpoints", check_rc=1)
+    res = dflash(
+        "verify", "--s3", url, "--endpoint-url", rgw.endpoint_url, "--no-load-checkpoints", check_rc=1
+    )
     head = res.stdout.split("\n\n")[0]
     assert head.startswith(f"salvage verify {url}: FAILED")
     assert f"DIFFERS  run/checkpoints/{ck}/config.json: sha256 read back" in head
@@ -256,8 +365,12 @@ def test_file_corrupted_after_the_manifest(tmp_path, finished_run):
     assert res.stdout.startswith(f"salvage verify {set_dir}: FAILED")
     assert "DIFFERS  run/events.jsonl: sha256" in res.stdout
     os.utime(set_dir / "run" / "train.log", ns=(10**18, 10**18))  # touched, same bytes: not a change
-    res = dflash("push", set_dir, "--s3", "s3://salvage/never", "--endpoint-url", "http://127.0.0.1:9", check_rc=2)
-    assert "1 file(s)" in res.stderr and "run/events.jsonl: modified after the manifest was made" in res.stderr
+    res = dflash(
+        "push", set_dir, "--s3", "s3://salvage/never", "--endpoint-url", "http://127.0.0.1:9", check_rc=2
+    )
+    assert (
+        "1 file(s)" in res.stderr and "run/events.jsonl: modified after the manifest was made" in res.stderr
+    )
 
 
 def test_truncated_safetensors_fails_loadability_and_is_named(tmp_path, finished_run, moto):
@@ -291,15 +404,38 @@ def test_empty_responses_dataset_verdict_in_the_notes(tmp_path, tiny_target, mot
     ds_path = tmp_path / "empty-responses"
     datasets.Dataset.from_dict(rows).save_to_disk(str(ds_path))
     # the manifest the data_sync role leaves beside synced data travels with the set
-    subprocess.run([*DFLASH, "manifest", "create", str(ds_path), "-o", f"{ds_path}.manifest.json"], check=True,
-                   capture_output=True, env=BASE_ENV)
+    subprocess.run(
+        [*DFLASH, "manifest", "create", str(ds_path), "-o", f"{ds_path}.manifest.json"],
+        check=True,
+        capture_output=True,
+        env=BASE_ENV,
+    )
     cfg = write_config(tmp_path / "run.yaml", tiny_target, ds_path, tmp_path / "run", train=FAST)
-    res = subprocess.run([*DFLASH, "train", "--config", str(cfg)], env=BASE_ENV, capture_output=True, text=True, timeout=300, check=False)
+    res = subprocess.run(
+        [*DFLASH, "train", "--config", str(cfg)],
+        env=BASE_ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert res.returncode == 2 and "data.short_responses" in res.stdout  # preflight refused the run
     set_dir = tmp_path / "set"
     url = "s3://salvage/refused-run"
-    res = dflash("all", "--run-dir", tmp_path / "run", "--out", set_dir, "--config", cfg, "--s3", url,
-                 "--endpoint-url", moto.endpoint_url, check_rc=1)
+    res = dflash(
+        "all",
+        "--run-dir",
+        tmp_path / "run",
+        "--out",
+        set_dir,
+        "--config",
+        cfg,
+        "--s3",
+        url,
+        "--endpoint-url",
+        moto.endpoint_url,
+        check_rc=1,
+    )
     assert "dataset fails the data gate: [data.short_responses]" in res.stdout
     notes = (set_dir / "NOTES.md").read_text()
     assert "**Verdict: DO NOT shut the node down yet.**" in notes
@@ -308,18 +444,22 @@ def test_empty_responses_dataset_verdict_in_the_notes(tmp_path, tiny_target, mot
     assert "the most common count is 6" in notes
     report = json.loads((set_dir / "salvage-report.json").read_text())
     assert report["node_can_go"] is False
-    assert "data/empty-responses.manifest.json" in json.loads((set_dir / "MANIFEST.json").read_text())["files"]
+    assert (
+        "data/empty-responses.manifest.json" in json.loads((set_dir / "MANIFEST.json").read_text())["files"]
+    )
     codes = [e["code"] for e in report["verify"]["load"]["datasets"]["data/empty-responses"]["errors"]]
     assert "data.short_responses" in codes
     # the verdict can be downgraded to a warning explicitly, and then the rest verifies
-    res = dflash("verify", "--s3", url, "--endpoint-url", moto.endpoint_url, "--data-gate", "warn", check_rc=0)
+    res = dflash(
+        "verify", "--s3", url, "--endpoint-url", moto.endpoint_url, "--data-gate", "warn", check_rc=0
+    )
     assert "the data gate REFUSED it (kept as a warning, --data-gate warn)" in res.stdout
 
 
 def test_content_md5_on_every_part_and_radosgw_rejects_a_bad_one(tmp_path, rgw, monkeypatch):
-    from trainer.salvage.collect import collect
     from trainer.s3.client import make_client
     from trainer.s3.push import push
+    from trainer.salvage.collect import collect
 
     run = tmp_path / "run"
     run.mkdir()
@@ -333,10 +473,19 @@ def test_content_md5_on_every_part_and_radosgw_rejects_a_bad_one(tmp_path, rgw, 
         c = make_client(rgw.endpoint_url)
         seen: list[tuple[str, str | None]] = []
         for op in ("UploadPart", "PutObject"):
-            c.meta.events.register(f"before-send.s3.{op}",
-                                   lambda request, op=op, **kw: seen.append((op, request.headers.get("Content-MD5"))))
-        rep = push(set_dir, "s3://salvage/md5", rgw.endpoint_url, chunk_bytes=5 * 2**20, threshold_bytes=5 * 2**20,
-                   progress=False, client=c)
+            c.meta.events.register(
+                f"before-send.s3.{op}",
+                lambda request, op=op, **kw: seen.append((op, request.headers.get("Content-MD5"))),
+            )
+        rep = push(
+            set_dir,
+            "s3://salvage/md5",
+            rgw.endpoint_url,
+            chunk_bytes=5 * 2**20,
+            threshold_bytes=5 * 2**20,
+            progress=False,
+            client=c,
+        )
         assert rep["ok"]
         parts = [md5 for op, md5 in seen if op == "UploadPart"]
         assert len(parts) == 3 and all(parts), seen
@@ -348,8 +497,15 @@ def test_content_md5_on_every_part_and_radosgw_rejects_a_bad_one(tmp_path, rgw, 
             params["headers"]["Content-MD5"] = "AAAAAAAAAAAAAAAAAAAAAA=="
 
         bad.meta.events.register("before-call.s3.UploadPart", corrupt)
-        rep = push(set_dir, "s3://salvage/md5-bad", rgw.endpoint_url, chunk_bytes=5 * 2**20, threshold_bytes=5 * 2**20,
-                   progress=False, client=bad)
+        rep = push(
+            set_dir,
+            "s3://salvage/md5-bad",
+            rgw.endpoint_url,
+            chunk_bytes=5 * 2**20,
+            threshold_bytes=5 * 2**20,
+            progress=False,
+            client=bad,
+        )
     assert not rep["ok"] and "BadDigest" in rep["failed"][0]["error"]
     s3c = client(rgw.endpoint_url)
     assert "md5-bad/MANIFEST.json" not in keys(s3c, "salvage", "md5-bad/")
@@ -360,15 +516,36 @@ def test_reference_instead_of_sending_again(tmp_path, finished_run, moto):
     first = _collect_and_push(finished_run, tmp_path / "a", "s3://salvage/ref-a", moto.endpoint_url)
     assert first["ok"]
     dflash("collect", "--run-dir", finished_run, "--out", tmp_path / "b", check_rc=0)
-    rep = json.loads(dflash("push", tmp_path / "b", "--s3", "s3://salvage/ref-b", "--endpoint-url", moto.endpoint_url,
-                            "--reference", "s3://salvage/ref-a", "--json", "--no-progress", check_rc=0).stdout)
+    rep = json.loads(
+        dflash(
+            "push",
+            tmp_path / "b",
+            "--s3",
+            "s3://salvage/ref-b",
+            "--endpoint-url",
+            moto.endpoint_url,
+            "--reference",
+            "s3://salvage/ref-a",
+            "--json",
+            "--no-progress",
+            check_rc=0,
+        ).stdout
+    )
     referenced = {r["path"] for r in rep["referenced"]}
     assert {"data/ds/state.json", "data/ds/dataset_info.json"} <= referenced
     assert all(r["location"].startswith("s3://salvage/ref-a/") for r in rep["referenced"])
     assert rep["to_upload"] == rep["files"] - len(referenced)
     s3c = client(moto.endpoint_url)
     assert not any(k.startswith("ref-b/data/") for k in keys(s3c, "salvage", "ref-b/"))
-    res = dflash("verify", "--s3", "s3://salvage/ref-b", "--endpoint-url", moto.endpoint_url, "--no-load-checkpoints", check_rc=0)
+    res = dflash(
+        "verify",
+        "--s3",
+        "s3://salvage/ref-b",
+        "--endpoint-url",
+        moto.endpoint_url,
+        "--no-load-checkpoints",
+        check_rc=0,
+    )
     assert "1/1 datasets pass the data gate" in res.stdout
 
 
@@ -379,8 +556,19 @@ def test_bad_input_is_refused_before_any_work(tmp_path, finished_run):
     assert "run folder" in res.stderr and "does not exist" in res.stderr and not (tmp_path / "set").exists()
     dflash("collect", "--run-dir", finished_run, "--out", tmp_path / "set", check_rc=0)
     no_creds = {k: v for k, v in BASE_ENV.items() if not k.startswith("AWS_")}
-    no_creds.update(AWS_CONFIG_FILE="/dev/null", AWS_SHARED_CREDENTIALS_FILE="/dev/null", AWS_EC2_METADATA_DISABLED="true")
-    res = dflash("push", tmp_path / "set", "--s3", "s3://salvage/x", "--endpoint-url", "http://127.0.0.1:9", env=no_creds, check_rc=2)
+    no_creds.update(
+        AWS_CONFIG_FILE="/dev/null", AWS_SHARED_CREDENTIALS_FILE="/dev/null", AWS_EC2_METADATA_DISABLED="true"
+    )
+    res = dflash(
+        "push",
+        tmp_path / "set",
+        "--s3",
+        "s3://salvage/x",
+        "--endpoint-url",
+        "http://127.0.0.1:9",
+        env=no_creds,
+        check_rc=2,
+    )
     assert "no AWS credentials found" in res.stderr
     res = dflash("stop", "--run-dir", tmp_path, check_rc=2)
     assert "not a dflash run folder" in res.stderr
@@ -390,8 +578,16 @@ def test_stop_timeout_is_loud_and_a_dead_run_is_said(tmp_path):
     """A process that ignores SIGTERM stands in for a trainer stuck in a hung collective."""
     from trainer.events import EventWriter
 
-    stuck = subprocess.Popen([sys.executable, "-c", "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-                              "print('ready', flush=True)\nwhile True: time.sleep(1)"], stdout=subprocess.PIPE, text=True)
+    stuck = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+            "print('ready', flush=True)\nwhile True: time.sleep(1)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert stuck.stdout.readline().strip() == "ready"
         run = tmp_path / "stuck"
@@ -419,7 +615,10 @@ def test_inventory_sessions_unknown_work_and_gpu_processes(tmp_path, monkeypatch
     try:
         fake = tmp_path / "bin" / "nvidia-smi"
         fake.parent.mkdir()
-        fake.write_text(f"#!/bin/sh\necho '{worker.pid}, sleep, 20480, GPU-aaaa'\necho '4194000, python3, 512, GPU-bbbb'\n")
+        fake.write_text(
+            f"#!/bin/sh\necho '{worker.pid}, sleep, 20480, GPU-aaaa'\necho '4194000, python3, 512, "
+            "GPU-bbbb'\n"
+        )
         fake.chmod(0o755)
         monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
         inv = take_inventory([], stop_unknown=False)
@@ -434,7 +633,9 @@ def test_inventory_sessions_unknown_work_and_gpu_processes(tmp_path, monkeypatch
         from trainer.salvage.stop import stop_others
 
         # only our worker: stop_unknown on a shared test machine would also hit other people's work
-        done = stop_others({"processes": [p for p in inv["processes"] if p["pid"] == worker.pid]}, timeout_s=10)
+        done = stop_others(
+            {"processes": [p for p in inv["processes"] if p["pid"] == worker.pid]}, timeout_s=10
+        )
         assert any(d["pid"] == worker.pid and d["result"] == "exited after SIGTERM" for d in done)
         worker.wait(timeout=10)  # psutil reaped it already; it is gone either way
     finally:

@@ -28,12 +28,15 @@ DFLASH = [sys.executable, "-m", "trainer.cli"]
 
 
 def cfg_file(tmp_path, tiny_target, tiny_data, name="run", **train):
-    return write_config(tmp_path / f"{name}.yaml", tiny_target, tiny_data, tmp_path / name,
-                        train={**FAST, **train})
+    return write_config(
+        tmp_path / f"{name}.yaml", tiny_target, tiny_data, tmp_path / name, train={**FAST, **train}
+    )
 
 
 def run_train(cfg: Path, timeout=300) -> subprocess.CompletedProcess:
-    return subprocess.run([*DFLASH, "train", "--config", str(cfg)], env=ENV, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [*DFLASH, "train", "--config", str(cfg)], env=ENV, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def events_of(out_dir: Path, kind: str) -> list[dict]:
@@ -54,7 +57,17 @@ def test_loss_falls_and_the_stream_is_complete(tmp_path, tiny_target, tiny_data)
     first = sum(s["loss"] for s in steps[:5]) / 5
     last = sum(s["loss"] for s in steps[-5:]) / 5
     assert last < 0.8 * first, f"loss did not fall: {first:.3f} -> {last:.3f}"
-    for key in ("loss", "tokens", "eal", "position_acc", "lr", "grad_norm", "tokens_per_s", "target_s", "drafter_s"):
+    for key in (
+        "loss",
+        "tokens",
+        "eal",
+        "position_acc",
+        "lr",
+        "grad_norm",
+        "tokens_per_s",
+        "target_s",
+        "drafter_s",
+    ):
         assert key in steps[-1]
     assert len(steps[-1]["position_acc"]) == 3  # block 4: slots 1..3
     start = events_of(out, "run_start")[0]
@@ -89,8 +102,12 @@ def test_exact_resume_after_kill_9(tmp_path, tiny_target, tiny_data):
     assert run_train(ref).returncode == 0
     cfg = cfg_file(tmp_path, tiny_target, tiny_data, name="killed", max_steps=12, checkpoint_every=4)
     out = tmp_path / "killed"
-    proc = subprocess.Popen([*DFLASH, "train", "--config", str(cfg)], env=ENV,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [*DFLASH, "train", "--config", str(cfg)],
+        env=ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         assert wait_for(lambda: any(s["step"] >= 6 for s in events_of(out, "step"))), "never reached step 6"
     finally:
@@ -111,8 +128,12 @@ def test_exact_resume_after_kill_9(tmp_path, tiny_target, tiny_data):
 def test_sigterm_writes_a_final_checkpoint_and_exits_0(tmp_path, tiny_target, tiny_data):
     cfg = cfg_file(tmp_path, tiny_target, tiny_data, max_steps=500, checkpoint_every=1000)
     out = tmp_path / "run"
-    proc = subprocess.Popen([*DFLASH, "train", "--config", str(cfg)], env=ENV,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [*DFLASH, "train", "--config", str(cfg)],
+        env=ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     assert wait_for(lambda: len(events_of(out, "step")) >= 3)
     t0 = time.monotonic()
     proc.send_signal(signal.SIGTERM)
@@ -135,8 +156,15 @@ def test_corrupt_newest_checkpoint_is_reported_and_previous_used(tmp_path, tiny_
     with open(newest / "model.safetensors", "r+b") as fh:  # flip bytes in the payload
         fh.seek(-16, os.SEEK_END)
         fh.write(b"\x00" * 16)
-    res = run_train(write_config(tmp_path / "more.yaml", tiny_target, tiny_data, out,
-                                 train={**FAST, "max_steps": 10, "checkpoint_every": 4}))
+    res = run_train(
+        write_config(
+            tmp_path / "more.yaml",
+            tiny_target,
+            tiny_data,
+            out,
+            train={**FAST, "max_steps": 10, "checkpoint_every": 4},
+        )
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     warns = [w for w in events_of(out, "warning") if w["kind"] == "corrupt_checkpoint"]
     assert warns and "step-00000008/model.safetensors: sha256 differs" in warns[0]["message"]
@@ -146,9 +174,23 @@ def test_corrupt_newest_checkpoint_is_reported_and_previous_used(tmp_path, tiny_
 def test_two_process_gloo_ddp_keeps_ranks_identical(tmp_path, tiny_target, tiny_data):
     cfg = cfg_file(tmp_path, tiny_target, tiny_data, max_steps=6, checkpoint_every=3)
     res = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "trainer.cli", "train", "--config", str(cfg)],
-        env=ENV, capture_output=True, text=True, timeout=400,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "trainer.cli",
+            "train",
+            "--config",
+            str(cfg),
+        ],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=400,
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     out = tmp_path / "run"
@@ -162,9 +204,24 @@ def test_two_process_gloo_ddp_keeps_ranks_identical(tmp_path, tiny_target, tiny_
 
 def run_torchrun(cfg: Path, timeout=400) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "trainer.cli", "train", "--config", str(cfg)],
-        env=ENV, capture_output=True, text=True, timeout=timeout, check=False,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "trainer.cli",
+            "train",
+            "--config",
+            str(cfg),
+        ],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
     )
 
 
@@ -186,25 +243,45 @@ def test_zero1_shards_adam_moments_and_resumes_exactly(tmp_path, tiny_target, ti
         assert c["optimizer_sharded"] and sum(per_rank) == total and len(per_rank) == 2
         assert all(0.25 * total < n < 0.75 * total for n in per_rank), per_rank
     state = torch.load(read_latest(out) / "trainer_state.pt", map_location="cpu", weights_only=False)
-    saved = sum(v.numel() for st in state["optimizer"]["state"].values() for k, v in st.items()
-                if k in ("exp_avg", "exp_avg_sq"))
+    saved = sum(
+        v.numel()
+        for st in state["optimizer"]["state"].values()
+        for k, v in st.items()
+        if k in ("exp_avg", "exp_avg_sq")
+    )
     assert saved == total, "the checkpoint holds the consolidated (full) optimizer state"
 
     resumed = tmp_path / "resumed"  # only ref's step-3 checkpoint: the run resumes there
     (resumed / "checkpoints").mkdir(parents=True)
     shutil.copytree(out / "checkpoints" / "step-00000003", resumed / "checkpoints" / "step-00000003")
     (resumed / "checkpoints" / "latest").write_text("step-00000003\n")
-    res = run_torchrun(write_config(tmp_path / "resumed.yaml", tiny_target, tiny_data, resumed,
-                                    train={**FAST, "max_steps": 6, "checkpoint_every": 3}))
+    res = run_torchrun(
+        write_config(
+            tmp_path / "resumed.yaml",
+            tiny_target,
+            tiny_data,
+            resumed,
+            train={**FAST, "max_steps": 6, "checkpoint_every": 3},
+        )
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert events_of(resumed, "run_start")[-1]["resumed_from"] == "step-00000003"
     ref_loss = {s["step"]: s["loss"] for s in events_of(out, "step")}
     assert {s["step"]: s["loss"] for s in events_of(resumed, "step")} == {k: ref_loss[k] for k in (4, 5, 6)}
     a, b = final_weights(out), final_weights(resumed)
-    assert [k for k in a if not torch.equal(a[k], b[k])] == [], "resumed ZeRO run differs from the uninterrupted one"
+    assert [k for k in a if not torch.equal(a[k], b[k])] == [], (
+        "resumed ZeRO run differs from the uninterrupted one"
+    )
 
-    plain = cfg_file(tmp_path, tiny_target, tiny_data, name="plain", max_steps=6, checkpoint_every=3,
-                     shard_optimizer_state=False)
+    plain = cfg_file(
+        tmp_path,
+        tiny_target,
+        tiny_data,
+        name="plain",
+        max_steps=6,
+        checkpoint_every=3,
+        shard_optimizer_state=False,
+    )
     res = run_torchrun(plain)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     ck = events_of(tmp_path / "plain", "checkpoint")[-1]
@@ -231,8 +308,13 @@ def test_nonfinite_target_features_warn_then_fail_loudly(tmp_path, tiny_target, 
     """A target with NaN weights (a corrupt shard) gives non-finite features: each such step is a
     warning and a skipped update; past train.nan_tolerance the run fails loudly, no checkpoint."""
     broken = _broken_target(tmp_path, tiny_target, float("nan"))
-    cfg = write_config(tmp_path / "run.yaml", broken, tiny_data, tmp_path / "run",
-                       train={**FAST, "max_steps": 30, "nan_tolerance": 2})
+    cfg = write_config(
+        tmp_path / "run.yaml",
+        broken,
+        tiny_data,
+        tmp_path / "run",
+        train={**FAST, "max_steps": 30, "nan_tolerance": 2},
+    )
     res = run_train(cfg)
     out = tmp_path / "run"
     assert res.returncode == 1, res.stderr[-2000:]
@@ -255,7 +337,9 @@ def test_target_agreement_is_measured_and_a_collapsed_target_is_loud(tmp_path, t
     assert not [w for w in events_of(tmp_path / "good", "warning") if w["kind"] == "low_target_agreement"]
 
     broken = _broken_target(tmp_path, tiny_target, 3.0e38)
-    cfg = write_config(tmp_path / "bad.yaml", broken, tiny_data, tmp_path / "bad", train={**FAST, "max_steps": 3})
+    cfg = write_config(
+        tmp_path / "bad.yaml", broken, tiny_data, tmp_path / "bad", train={**FAST, "max_steps": 3}
+    )
     run_train(cfg)
     warns = [w for w in events_of(tmp_path / "bad", "warning") if w["kind"] == "low_target_agreement"]
     assert len(warns) == 1 and warns[0]["step"] == 1 and warns[0]["target_agreement"] < 0.1

@@ -51,6 +51,7 @@ LIGHT = (
     "trainer.s3.push",
     "trainer.salvage.collect",
     "trainer.salvage.facts",
+    "trainer.salvage.loadable",
     "trainer.salvage.inventory",
     "trainer.salvage.notes",
     "trainer.salvage.stop",
@@ -58,8 +59,18 @@ LIGHT = (
     "trainer.demo.smollm",
 )
 # what the roles call on a bare node before anything else is installed: not even numpy
-BARE = ("trainer.cli", "trainer.config", "trainer.errors", "trainer.events", "trainer.manifest", "trainer.target",
-        "trainer.layout.gpus", "trainer.layout.plan", "trainer.layout.sizing", "trainer.cli.node")
+BARE = (
+    "trainer.cli",
+    "trainer.config",
+    "trainer.errors",
+    "trainer.events",
+    "trainer.manifest",
+    "trainer.target",
+    "trainer.layout.gpus",
+    "trainer.layout.plan",
+    "trainer.layout.sizing",
+    "trainer.cli.node",
+)
 
 
 @pytest.mark.parametrize("module", LIGHT)
@@ -114,8 +125,13 @@ def private_imports(path: Path) -> list[str]:
                 if alias.name.split(".")[0] == "trainer" and alias.asname:
                     modules[alias.asname] = alias.name
     for node in ast.walk(tree):
-        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules
-                and _private(node.attr) and modules[node.value.id] != here):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in modules
+            and _private(node.attr)
+            and modules[node.value.id] != here
+        ):
             found.append(f"{label}:{node.lineno}: {modules[node.value.id]}.{node.attr}")
     return found
 
@@ -130,4 +146,8 @@ def test_the_private_name_check_sees_both_forms(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text("from trainer.manifest import _excluded\nimport trainer.fsutil as f\nf._hidden()\n")
     hits = private_imports(probe)
-    assert len(hits) == 2 and "trainer.manifest import _excluded" in hits[0] and "trainer.fsutil._hidden" in hits[1]
+    assert (
+        len(hits) == 2
+        and "trainer.manifest import _excluded" in hits[0]
+        and "trainer.fsutil._hidden" in hits[1]
+    )

@@ -66,8 +66,14 @@ def test_set_override_of_unknown_key_is_refused(tmp_path):
 
 
 def test_specforge_convention_is_converted_explicitly(tmp_path):
-    raw = {**MINIMAL, "drafter": {**MINIMAL["drafter"], "aux_layer_ids": [1, 9, 17, 25, 33],
-                                 "layer_id_convention": "specforge"}}
+    raw = {
+        **MINIMAL,
+        "drafter": {
+            **MINIMAL["drafter"],
+            "aux_layer_ids": [1, 9, 17, 25, 33],
+            "layer_id_convention": "specforge",
+        },
+    }
     cfg = load_config(write(tmp_path, raw))
     assert cfg.drafter.aux_ids == [2, 10, 18, 26, 34]  # DFLASH.md: z-lab's Qwen3-8B ids
     default = load_config(write(tmp_path, MINIMAL))
@@ -90,8 +96,16 @@ def test_missing_file_and_bad_yaml(tmp_path):
 
 def test_schema_reference_lists_every_leaf_key():
     keys = {row[0] for row in schema_reference()}
-    for k in ("target.path", "data.path", "drafter.aux_layer_ids", "drafter.layer_id_convention",
-              "train.max_tokens_per_batch", "train.keep_checkpoints", "preflight.min_supervised_tokens", "out_dir"):
+    for k in (
+        "target.path",
+        "data.path",
+        "drafter.aux_layer_ids",
+        "drafter.layer_id_convention",
+        "train.max_tokens_per_batch",
+        "train.keep_checkpoints",
+        "preflight.min_supervised_tokens",
+        "out_dir",
+    ):
         assert k in keys
 
 
@@ -100,4 +114,6 @@ def test_docs_reference_lists_the_current_schema():
     from trainer.config import schema_markdown
 
     page = (REPO / "docs" / "reference" / "config.md").read_text()
-    assert schema_markdown() in page, "docs/reference/config.md is stale: regenerate with `dflash config --markdown`"
+    assert schema_markdown() in page, (
+        "docs/reference/config.md is stale: regenerate with `dflash config --markdown`"
+    )

@@ -3,7 +3,6 @@ batch planning and the stop rule, the side-by-side table, the CLI surface."""
 
 from __future__ import annotations
 
-
 import pytest
 
 from trainer.eval.harness import PromptResult, finish_generation
@@ -19,7 +18,10 @@ def write(tmp_path, text: str):
 
 
 def test_prompt_file_kinds_limit_and_errors(tmp_path):
-    p = write(tmp_path, '{"prompt": "hi"}\n\n{"messages": [{"role": "user", "content": "x"}]}\n{"input_ids": [1, 2]}\n')
+    p = write(
+        tmp_path,
+        '{"prompt": "hi"}\n\n{"messages": [{"role": "user", "content": "x"}]}\n{"input_ids": [1, 2]}\n',
+    )
     lines = read_prompt_file(p)
     assert [(line.index, line.kind) for line in lines] == [(0, "prompt"), (1, "messages"), (2, "input_ids")]
     assert len(read_prompt_file(p, limit=2)) == 2
@@ -28,7 +30,7 @@ def test_prompt_file_kinds_limit_and_errors(tmp_path):
         '{"input_ids": [1, -2]}\n': "non-negative ints",
         '{"messages": [{"role": "user"}]}\n': "{role, content}",
         '{"text": "x"}\n': "exactly one of",
-        '[1, 2]\n': "exactly one of",
+        "[1, 2]\n": "exactly one of",
         "\n": "has no prompts",
         '{"prompt": "a"}\n{oops}\n': "p.jsonl:2: not valid JSON",
     }
@@ -82,19 +84,42 @@ def test_plan_batches_and_cut_response():
 
 def test_markdown_and_table_render_the_figures():
     rep = {
-        "label": "mine", "drafter": "d", "target": "t", "prompts": "p", "num_prompts": 1, "max_new_tokens": 4,
-        "mode": "cached", "block_size": 3, "device": "cpu", "tau": 1.5, "rounds": 2, "new_tokens": 3,
-        "tokens_per_s": 10.0, "wall_s": 1.0, "per_position_acceptance": [0.5, 0.0],
-        "acceptance_histogram": {"0": 1, "1": 1, "2": 0}, "warnings": ["w!"],
+        "label": "mine",
+        "drafter": "d",
+        "target": "t",
+        "prompts": "p",
+        "num_prompts": 1,
+        "max_new_tokens": 4,
+        "mode": "cached",
+        "block_size": 3,
+        "device": "cpu",
+        "tau": 1.5,
+        "rounds": 2,
+        "new_tokens": 3,
+        "tokens_per_s": 10.0,
+        "wall_s": 1.0,
+        "per_position_acceptance": [0.5, 0.0],
+        "acceptance_histogram": {"0": 1, "1": 1, "2": 0},
+        "warnings": ["w!"],
         "lossless": {"checked": 1, "matched": 1, "ok": True, "target_tokens_per_s": 20.0},
-        "per_prompt": [{"index": 0, "prompt_tokens": 2, "new_tokens": 3, "rounds": 2, "tau": 1.5,
-                        "stopped": "length", "lossless": True}],
+        "per_prompt": [
+            {
+                "index": 0,
+                "prompt_tokens": 2,
+                "new_tokens": 3,
+                "rounds": 2,
+                "tau": 1.5,
+                "stopped": "length",
+                "lossless": True,
+            }
+        ],
     }
     md = render_markdown(rep, "r.png")
     assert "**1.500**" in md and "| accepted | 0.500 | 0.000 |" in md and "ok (1/1)" in md
     assert "> **warning**: w!" in md and "![acceptance](r.png)" in md
-    table = render_table([rep, {**rep, "label": "other", "tau": 1.25, "block_size": 2,
-                                "per_position_acceptance": [0.25]}])
+    table = render_table(
+        [rep, {**rep, "label": "other", "tau": 1.25, "block_size": 2, "per_position_acceptance": [0.25]}]
+    )
     lines = table.splitlines()
     assert lines[0].split()[:3] == ["drafter", "tau", "tok/s"] and "p2" in lines[0]
     assert lines[2].split() == ["mine", "1.500", "10.0", "0.50", "0.00"]
@@ -105,9 +130,28 @@ def test_cli_parses_the_eval_export_and_regenerate_verbs():
 
     from trainer.cli import build_parser
 
-    args = build_parser().parse_args(["eval", "--drafter", "a", "--drafter", "b", "--target", "t", "--prompts", "p",
-                                      "--out", "r.json", "--check-lossless", "all", "--thinking", "off"])
-    assert [str(d) for d in args.drafter] == ["a", "b"] and args.check_lossless == -1 and args.thinking == "off"
+    args = build_parser().parse_args(
+        [
+            "eval",
+            "--drafter",
+            "a",
+            "--drafter",
+            "b",
+            "--target",
+            "t",
+            "--prompts",
+            "p",
+            "--out",
+            "r.json",
+            "--check-lossless",
+            "all",
+            "--thinking",
+            "off",
+        ]
+    )
+    assert (
+        [str(d) for d in args.drafter] == ["a", "b"] and args.check_lossless == -1 and args.thinking == "off"
+    )
     args = build_parser().parse_args(["regenerate", "--target", "t", "--prompts", "p", "--out", "o"])
     assert args.backend == "transformers" and args.max_new_tokens == 256 and args.chat_template is None
     args = build_parser().parse_args(["export", "--checkpoint", "c", "--out", "o", "--dtype", "bfloat16"])

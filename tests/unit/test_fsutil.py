@@ -17,6 +17,7 @@ def test_atomic_write_replaces_whole_and_is_0644(tmp_path):
     atomic_write_text(tmp_path / "secret", "k", mode=0o600)
     assert stat.S_IMODE((tmp_path / "secret").stat().st_mode) == 0o600
 
+
 def test_failed_write_leaves_the_old_file_and_no_temp(tmp_path):
     p = tmp_path / "f"
     atomic_write_bytes(p, b"old")

@@ -25,14 +25,24 @@ GROUP_VARS = Path(__file__).resolve().parents[2] / "inventory" / "group_vars"
 
 
 def facts(machine):
-    return build_facts((FIX / f"{machine}.query.csv").read_text(), (FIX / f"{machine}.nvidia-smi.txt").read_text())
+    return build_facts(
+        (FIX / f"{machine}.query.csv").read_text(), (FIX / f"{machine}.nvidia-smi.txt").read_text()
+    )
 
 
 @pytest.mark.parametrize(
     "machine, count, model, mem_gib, driver, cuda, arch",
     [
         ("a100-8x40gb", 8, "NVIDIA A100-SXM4-40GB", 40.0, "550.127.05", "12.4", "Ampere/Ada"),
-        ("pro6000-4x96gb", 4, "NVIDIA RTX PRO 6000 Blackwell Server Edition", 95.6, "575.57.08", "12.9", "Blackwell"),
+        (
+            "pro6000-4x96gb",
+            4,
+            "NVIDIA RTX PRO 6000 Blackwell Server Edition",
+            95.6,
+            "575.57.08",
+            "12.9",
+            "Blackwell",
+        ),
         ("b200-8x183gb", 8, "NVIDIA B200", 179.1, "580.82.07", "13.0", "Blackwell"),
         ("b200-7x183gb", 7, "NVIDIA B200", 179.1, "580.82.07", "13.0", "Blackwell"),
         ("h200-1x141gb", 1, "NVIDIA H200", 140.4, "570.172.08", "12.8", "Hopper"),
@@ -40,8 +50,14 @@ def facts(machine):
 )
 def test_facts_from_recorded_outputs(machine, count, model, mem_gib, driver, cuda, arch):
     f = facts(machine)
-    assert (f["count"], f["model"], f["memory_gib_min"], f["driver"], f["driver_cuda"], f["architecture"]) == (
-        count, model, mem_gib, driver, cuda, arch)
+    assert (
+        f["count"],
+        f["model"],
+        f["memory_gib_min"],
+        f["driver"],
+        f["driver_cuda"],
+        f["architecture"],
+    ) == (count, model, mem_gib, driver, cuda, arch)
     assert [d["index"] for d in f["devices"]] == list(range(count))
     assert not f["mixed"]
 
@@ -57,7 +73,10 @@ def test_zero_gpus():
 def test_cuda_needs_driver_rules():
     assert min_driver_for_cuda("13.0") == 580 and min_driver_for_cuda("13.1") == 580
     assert min_driver_for_cuda("12.4") == 525 and min_driver_for_cuda("12.8") == 525
-    assert cuda_driver_problem("13.0", "575.57.08") == "CUDA 13.0 needs NVIDIA driver >= 580, this host has 575.57.08"
+    assert (
+        cuda_driver_problem("13.0", "575.57.08")
+        == "CUDA 13.0 needs NVIDIA driver >= 580, this host has 575.57.08"
+    )
     assert cuda_driver_problem("13.0", "580.82.07") is None
     assert cuda_driver_problem("12.4", "525.60.13") is None
     assert "needs NVIDIA driver >= 525" in cuda_driver_problem("12.1", "470.256.02")
@@ -91,7 +110,9 @@ def test_no_driver_installs_the_pin_unless_secure_boot():
     sb = decide(nodriver, 580, "13.0", secure_boot=True)
     assert sb["driver"]["action"] == "refuse" and "Secure Boot" in sb["driver"]["reason"]
     bad_pin = decide(nodriver, 570, "13.0")
-    assert bad_pin["driver"]["action"] == "refuse" and "570 cannot run CUDA 13.0" in bad_pin["driver"]["reason"]
+    assert (
+        bad_pin["driver"]["action"] == "refuse" and "570 cannot run CUDA 13.0" in bad_pin["driver"]["reason"]
+    )
 
 
 def test_toolkit_already_at_the_pin_is_kept():
@@ -123,16 +144,51 @@ def test_bad_query_row_is_named():
 
 
 def test_cli_facts_and_decide(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "trainer.cli", "gpu", "facts", "--query", FIX / "a100-8x40gb.query.csv",
-                        "--smi", FIX / "a100-8x40gb.nvidia-smi.txt", "--expected", json.dumps({"expected_gpu_count": 8})],
-                       capture_output=True, text=True, check=False)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trainer.cli",
+            "gpu",
+            "facts",
+            "--query",
+            FIX / "a100-8x40gb.query.csv",
+            "--smi",
+            FIX / "a100-8x40gb.nvidia-smi.txt",
+            "--expected",
+            json.dumps({"expected_gpu_count": 8}),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["count"] == 8 and out["expected_mismatch"] == []
     (tmp_path / "f.json").write_text(r.stdout)
-    r = subprocess.run([sys.executable, "-m", "trainer.cli", "gpu", "decide", "--facts", tmp_path / "f.json",
-                        "--driver-branch", "580", "--cuda-version", "13.0"], capture_output=True, text=True, check=False)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trainer.cli",
+            "gpu",
+            "decide",
+            "--facts",
+            tmp_path / "f.json",
+            "--driver-branch",
+            "580",
+            "--cuda-version",
+            "13.0",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert r.returncode == 0 and json.loads(r.stdout)["driver"]["action"] == "refuse"
-    r = subprocess.run([sys.executable, "-m", "trainer.cli", "gpu", "facts", "--query", tmp_path / "missing.csv"],
-                       capture_output=True, text=True, check=False)
+    r = subprocess.run(
+        [sys.executable, "-m", "trainer.cli", "gpu", "facts", "--query", tmp_path / "missing.csv"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert r.returncode == 2 and "missing.csv does not exist" in r.stderr

@@ -20,8 +20,9 @@ class FakeClock:
 
 def test_stall_watchdog_warns_once_per_stall_and_rearms():
     clock, seen = FakeClock(), []
-    wd = StallWatchdog(lambda step, waited, thr: seen.append((step, waited, thr)), factor=5, min_s=0.05,
-                       clock=clock)
+    wd = StallWatchdog(
+        lambda step, waited, thr: seen.append((step, waited, thr)), factor=5, min_s=0.05, clock=clock
+    )
     for step in range(1, 6):  # steady steps of 10 ms
         clock.now += 0.01
         wd.step_done(step)

@@ -21,7 +21,9 @@ def _tree(root):
 
 
 def dflash(*args):
-    return subprocess.run([sys.executable, "-m", "trainer.cli", *map(str, args)], capture_output=True, text=True, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "trainer.cli", *map(str, args)], capture_output=True, text=True, check=False
+    )
 
 
 def test_create_records_size_and_sha256_of_every_file(tmp_path):
@@ -101,11 +103,15 @@ def test_manifest_inside_the_folder_is_not_listed(tmp_path):
     src = _tree(tmp_path / "src")
     m = create_manifest(src, src / "MANIFEST.json")
     assert "MANIFEST.json" not in m["files"]
-    assert verify_manifest(src, load_manifest(src / "MANIFEST.json"), manifest_path=src / "MANIFEST.json", strict=True).ok
+    assert verify_manifest(
+        src, load_manifest(src / "MANIFEST.json"), manifest_path=src / "MANIFEST.json", strict=True
+    ).ok
 
 
 def test_unsafe_paths_are_refused(tmp_path):
     bad = tmp_path / "m.json"
-    bad.write_text(json.dumps({"manifest_version": 1, "files": {"../etc/passwd": {"size": 1, "sha256": "0"}}}))
+    bad.write_text(
+        json.dumps({"manifest_version": 1, "files": {"../etc/passwd": {"size": 1, "sha256": "0"}}})
+    )
     with pytest.raises(ManifestError, match="unsafe path"):
         load_manifest(bad)

@@ -23,7 +23,9 @@ def subparser(name: str):
 
 
 def options(name: str) -> set[str]:
-    return {o for a in subparser(name)._actions for o in a.option_strings if o.startswith("--") and o != "--help"}
+    return {
+        o for a in subparser(name)._actions for o in a.option_strings if o.startswith("--") and o != "--help"
+    }
 
 
 def test_page_is_in_the_nav_with_tunnel_and_screenshot():

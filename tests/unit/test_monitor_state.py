@@ -18,20 +18,39 @@ from trainer.monitor.alerts import Thresholds, evaluate
 from trainer.monitor.redact import redact, redact_text
 from trainer.monitor.runs import Hub, RunMonitor, find_runs
 from trainer.monitor.state import RunState, minmax_indices
+from trainer.monitor.summary import render_summary, summarize
 from trainer.monitor.system import parse_nvidia_smi, process_alive
 from trainer.monitor.tailer import Follower, tail_lines
-from trainer.monitor.summary import render_summary, summarize
 
 
 def start_event(total=100, pid=None, t=None, **kw):
-    return {"event": "run_start", "time": t or time.time(), "run_id": "r", "start_step": kw.pop("start_step", 0),
-            "tokens": kw.pop("tokens", 0), "totals": {"total_steps": total, "total_tokens": total * 1000},
-            "layout": {"world_size": 1, "device": "cpu"}, "pid": pid, **kw}
+    return {
+        "event": "run_start",
+        "time": t or time.time(),
+        "run_id": "r",
+        "start_step": kw.pop("start_step", 0),
+        "tokens": kw.pop("tokens", 0),
+        "totals": {"total_steps": total, "total_tokens": total * 1000},
+        "layout": {"world_size": 1, "device": "cpu"},
+        "pid": pid,
+        **kw,
+    }
 
 
 def step_event(step, t, loss=1.0, **kw):
-    return {"event": "step", "time": t, "run_id": "r", "step": step, "total_steps": 100, "tokens": step * 1000,
-            "loss": loss, "eal": 1.5, "lr": 1e-4, "position_acc": [0.5, 0.2], **kw}
+    return {
+        "event": "step",
+        "time": t,
+        "run_id": "r",
+        "step": step,
+        "total_steps": 100,
+        "tokens": step * 1000,
+        "loss": loss,
+        "eal": 1.5,
+        "lr": 1e-4,
+        "position_acc": [0.5, 0.2],
+        **kw,
+    }
 
 
 # ---------------------------------------------------------------- follower
@@ -94,13 +113,16 @@ def test_state_progress_speed_eta_and_resume_replay():
     assert st.status == "running" and st.step == 10 and st.seconds_per_step() == pytest.approx(2.0)
     assert st.tokens_per_s() == pytest.approx(500.0) and st.eta_s() == pytest.approx(90 * 2.0)
     assert st.median_gap() == pytest.approx(2.0)
-    # crash after step 10, resume from the checkpoint of step 6: steps 7.. are replayed and replace the old ones
+    # crash after step 10, resume from the checkpoint of step 6: steps 7.. are replayed and replace the
+    # old ones
     st.feed(start_event(total=100, t=t + 100, start_step=6, tokens=6000, resumed_from="step-00000006"))
     assert st.seconds_per_step() is None  # the speed window restarts with the new process
     for s in range(7, 9):
         st.feed(step_event(s, t + 100 + s, loss=0.5))
     assert list(st.steps) == list(range(1, 9)) and st.curves["loss"][-1] == 0.5 and st.rewinds == 1
-    st.feed({"event": "run_end", "time": t + 200, "run_id": "r", "status": "completed", "step": 8, "wall_s": 50.0})
+    st.feed(
+        {"event": "run_end", "time": t + 200, "run_id": "r", "status": "completed", "step": 8, "wall_s": 50.0}
+    )
     assert st.finished and st.eta_s() == 0.0 and st.elapsed_s(now=t + 999) == pytest.approx(200.0)
     s = st.summary()
     assert s["status"] == "completed" and s["starts"] == 2 and s["resumed_from"] == ["step-00000006"]
@@ -140,8 +162,18 @@ def test_trainer_watchdog_stall_and_trainer_warnings_become_alerts():
     st = RunState()
     st.feed(start_event(t=100.0))
     st.feed(step_event(1, 101.0))
-    st.feed({"event": "warning", "time": 150.0, "run_id": "r", "kind": "stall", "message": "step 2 has run 49s"})
-    st.feed({"event": "warning", "time": 151.0, "run_id": "r", "kind": "low_target_agreement", "message": "agreement 0.2"})
+    st.feed(
+        {"event": "warning", "time": 150.0, "run_id": "r", "kind": "stall", "message": "step 2 has run 49s"}
+    )
+    st.feed(
+        {
+            "event": "warning",
+            "time": 151.0,
+            "run_id": "r",
+            "kind": "low_target_agreement",
+            "message": "agreement 0.2",
+        }
+    )
     th = Thresholds(disk_min_bytes=0)
     alerts = {a["kind"]: a for a in evaluate(st, 152.0, th)}
     assert alerts["stall"]["message"] == "trainer watchdog: step 2 has run 49s"
@@ -166,8 +198,16 @@ def test_process_gone_and_disk_low_alerts(tmp_path):
     assert process_alive(None) is None
     st = RunState()
     st.feed(start_event(t=started, pid=proc.pid))
-    kinds = {a["kind"] for a in evaluate(st, time.time(), Thresholds(disk_min_bytes=2**60), {"free_bytes": 10, "total_bytes": 20},
-                                         alive=process_alive(proc.pid, started))}
+    kinds = {
+        a["kind"]
+        for a in evaluate(
+            st,
+            time.time(),
+            Thresholds(disk_min_bytes=2**60),
+            {"free_bytes": 10, "total_bytes": 20},
+            alive=process_alive(proc.pid, started),
+        )
+    }
     assert kinds == {"process_gone", "disk_low"}
 
 
@@ -193,7 +233,12 @@ def test_run_monitor_follows_a_real_writer_and_serves_events_by_index(tmp_path):
     mon = RunMonitor(".", out)
     assert not mon.refresh() and mon.state.status == "waiting"  # the run dir does not exist yet
     w = EventWriter(out, "run-x")
-    w.emit("run_start", totals={"total_steps": 10, "total_tokens": 100}, config={"hf_token": "hf_" + "a" * 30}, pid=None)
+    w.emit(
+        "run_start",
+        totals={"total_steps": 10, "total_tokens": 100},
+        config={"hf_token": "hf_" + "a" * 30},
+        pid=None,
+    )
     for s in range(1, 6):
         w.emit("step", step=s, total_steps=10, tokens=s * 10, loss=2.0 / s)
         w.log(f"step {s} with token=supersecretvalue")
@@ -221,7 +266,12 @@ def test_run_monitor_starts_over_when_the_stream_is_replaced(tmp_path):
     w2.emit("run_start", totals={"total_steps": 5, "total_tokens": 50})
     w2.emit("step", step=1, total_steps=5, tokens=1, loss=2.0)
     assert mon.refresh()
-    assert mon.state.run_id == "new" and mon.state.step == 1 and mon.state.total_steps == 5 and len(mon.offsets) == 2
+    assert (
+        mon.state.run_id == "new"
+        and mon.state.step == 1
+        and mon.state.total_steps == 5
+        and len(mon.offsets) == 2
+    )
     assert [e["run_id"] for e in mon.events_since(0)["events"]] == ["new", "new"]
 
 
@@ -241,34 +291,65 @@ def test_find_runs_lists_run_folders_and_a_pending_root(tmp_path):
 
 
 def test_redaction_masks_secret_keys_and_token_shaped_text_only():
-    ev = {"config": {"hf_token": "x1", "max_tokens_per_batch": 4096, "s3": {"aws_secret_access_key": "k", "bucket": "b"}},
-          "tokens": 12, "tokens_per_s": 3.5, "password": "p"}
+    ev = {
+        "config": {
+            "hf_token": "x1",
+            "max_tokens_per_batch": 4096,
+            "s3": {"aws_secret_access_key": "k", "bucket": "b"},
+        },
+        "tokens": 12,
+        "tokens_per_s": 3.5,
+        "password": "p",
+    }
     out = redact(ev)
     assert out["config"]["hf_token"] == "***" and out["config"]["s3"]["aws_secret_access_key"] == "***"
     assert out["config"]["max_tokens_per_batch"] == 4096 and out["tokens"] == 12 and out["password"] == "***"
     assert out["config"]["s3"]["bucket"] == "b"
     line = "key AKIAABCDEFGHIJKLMNOP hf_abcdefghijklmnopqrstuvwxyz Authorization: Bearer abc.def.ghi tokens 5"
     masked = redact_text(line)
-    assert "AKIA" not in masked and "hf_abc" not in masked and "abc.def" not in masked and "tokens 5" in masked
+    assert (
+        "AKIA" not in masked and "hf_abc" not in masked and "abc.def" not in masked and "tokens 5" in masked
+    )
 
 
 def test_parse_nvidia_smi_rows():
     text = "0, NVIDIA H200, 87, 70123, 143771, 61, 512.30\n1, NVIDIA H200, [N/A], 10, 143771, 40, [N/A]\n"
     g0, g1 = parse_nvidia_smi(text)
-    assert g0["util_percent"] == 87 and g0["mem_used_bytes"] == 70123 * 2**20 and g0["power_w"] == pytest.approx(512.3)
+    assert (
+        g0["util_percent"] == 87
+        and g0["mem_used_bytes"] == 70123 * 2**20
+        and g0["power_w"] == pytest.approx(512.3)
+    )
     assert g1["index"] == 1 and g1["util_percent"] is None and g1["power_w"] is None
 
 
 def test_summary_is_built_on_the_shared_state(tmp_path):
     w = EventWriter(tmp_path, "s")
-    w.emit("run_start", totals={"total_steps": 20, "total_tokens": 200}, layout={"world_size": 1, "device": "cpu"}, pid=1)
+    w.emit(
+        "run_start",
+        totals={"total_steps": 20, "total_tokens": 200},
+        layout={"world_size": 1, "device": "cpu"},
+        pid=1,
+    )
     for s in range(1, 21):
-        w.emit("step", step=s, total_steps=20, tokens=10 * s, loss=float(21 - s), eal=1.0 + s / 20, tokens_per_s=100.0,
-               position_acc=[0.9, 0.5])
+        w.emit(
+            "step",
+            step=s,
+            total_steps=20,
+            tokens=10 * s,
+            loss=float(21 - s),
+            eal=1.0 + s / 20,
+            tokens_per_s=100.0,
+            position_acc=[0.9, 0.5],
+        )
     w.emit("checkpoint", step=20, name="step-00000020", size_bytes=10)
     w.emit("run_end", status="completed", step=20, tokens=200, wall_s=3.0)
     s = summarize(tmp_path)
-    assert s["status"] == "completed" and s["loss_first"] == pytest.approx(19.5) and s["loss_last"] == pytest.approx(1.5)
+    assert (
+        s["status"] == "completed"
+        and s["loss_first"] == pytest.approx(19.5)
+        and s["loss_last"] == pytest.approx(1.5)
+    )
     assert s["last_checkpoint"] == "step-00000020" and math.isclose(s["eal_last"], 1.975)
     text = render_summary(tmp_path)
     assert "[completed]" in text and "step 20/20" in text and "19.5000 -> 1.5000" in text

@@ -25,26 +25,53 @@ def _checks(text: str) -> int:
 
 def _template_args(p: argparse.ArgumentParser) -> None:
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--chat-template", dest="chat_template", action="store_true", default=None,
-                   help="apply the target tokenizer's chat template to text prompts (default when it has one)")
-    g.add_argument("--no-chat-template", dest="chat_template", action="store_false",
-                   help="tokenize text prompts as plain text")
-    p.add_argument("--thinking", choices=("on", "off"), default=None,
-                   help="enable_thinking passed to the chat template (default: the template's own default)")
+    g.add_argument(
+        "--chat-template",
+        dest="chat_template",
+        action="store_true",
+        default=None,
+        help="apply the target tokenizer's chat template to text prompts (default when it has one)",
+    )
+    g.add_argument(
+        "--no-chat-template",
+        dest="chat_template",
+        action="store_false",
+        help="tokenize text prompts as plain text",
+    )
+    p.add_argument(
+        "--thinking",
+        choices=("on", "off"),
+        default=None,
+        help="enable_thinking passed to the chat template (default: the template's own default)",
+    )
     p.add_argument("--limit", type=_positive, default=None, help="only the first N prompts")
-    p.add_argument("--ignore-eos", action="store_true",
-                   help="do not stop at end-of-sequence / end-of-turn tokens (always --max-new-tokens)")
+    p.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="do not stop at end-of-sequence / end-of-turn tokens (always --max-new-tokens)",
+    )
 
 
 def cmd_eval(args) -> int:
     from trainer.eval.run import EvalOptions, run_eval
 
-    return run_eval(EvalOptions(
-        drafters=args.drafter, target=args.target, prompts=args.prompts, out=args.out,
-        max_new_tokens=args.max_new_tokens, block_size=args.block_size, device=args.device,
-        chat_template=args.chat_template, thinking=args.thinking, limit=args.limit,
-        reference=args.reference, check_lossless=args.check_lossless, ignore_eos=args.ignore_eos,
-    ))
+    return run_eval(
+        EvalOptions(
+            drafters=args.drafter,
+            target=args.target,
+            prompts=args.prompts,
+            out=args.out,
+            max_new_tokens=args.max_new_tokens,
+            block_size=args.block_size,
+            device=args.device,
+            chat_template=args.chat_template,
+            thinking=args.thinking,
+            limit=args.limit,
+            reference=args.reference,
+            check_lossless=args.check_lossless,
+            ignore_eos=args.ignore_eos,
+        )
+    )
 
 
 def cmd_export(args) -> int:
@@ -57,48 +84,99 @@ def cmd_export(args) -> int:
 def cmd_regenerate(args) -> int:
     from trainer.regenerate import RegenOptions, regenerate
 
-    regenerate(RegenOptions(
-        target=args.target, prompts=args.prompts, out=args.out, max_new_tokens=args.max_new_tokens,
-        batch_size=args.batch_size, chat_template=args.chat_template, thinking=args.thinking,
-        limit=args.limit, backend=args.backend, device=args.device, ignore_eos=args.ignore_eos,
-    ))
+    regenerate(
+        RegenOptions(
+            target=args.target,
+            prompts=args.prompts,
+            out=args.out,
+            max_new_tokens=args.max_new_tokens,
+            batch_size=args.batch_size,
+            chat_template=args.chat_template,
+            thinking=args.thinking,
+            limit=args.limit,
+            backend=args.backend,
+            device=args.device,
+            ignore_eos=args.ignore_eos,
+        )
+    )
     return 0
 
 
 def register(sub) -> None:
-    p = sub.add_parser("eval", help="acceptance length tau of drafters against the target (report .json/.md/.png)")
-    p.add_argument("--drafter", required=True, type=Path, action="append",
-                   help="checkpoint folder, export, run out_dir (its latest), or a z-lab/SpecForge drafter; "
-                        "repeat to compare drafters side by side")
+    p = sub.add_parser(
+        "eval", help="acceptance length tau of drafters against the target (report .json/.md/.png)"
+    )
+    p.add_argument(
+        "--drafter",
+        required=True,
+        type=Path,
+        action="append",
+        help="checkpoint folder, export, run out_dir (its latest), or a z-lab/SpecForge drafter; "
+        "repeat to compare drafters side by side",
+    )
     p.add_argument("--target", required=True, type=Path, help="the target's transformers folder")
-    p.add_argument("--prompts", required=True, type=Path,
-                   help='JSON lines: {"prompt": ...}, {"messages": [...]} or {"input_ids": [...]}')
+    p.add_argument(
+        "--prompts",
+        required=True,
+        type=Path,
+        help='JSON lines: {"prompt": ...}, {"messages": [...]} or {"input_ids": [...]}',
+    )
     p.add_argument("--max-new-tokens", type=_positive, default=128)
     p.add_argument("--out", required=True, type=Path, help="REPORT.json (REPORT.md and REPORT.png beside it)")
     p.add_argument("--block-size", type=int, default=None, help="default: the drafter's")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--reference", action="store_true",
-                   help="the slow reference loop (no caches, speculators' training forward): same tau and tokens")
-    p.add_argument("--check-lossless", type=_checks, default=4, metavar="N|all",
-                   help="prompts whose tokens are checked against the target's own greedy decoding (default 4)")
+    p.add_argument(
+        "--reference",
+        action="store_true",
+        help="the slow reference loop (no caches, speculators' training forward): same tau and tokens",
+    )
+    p.add_argument(
+        "--check-lossless",
+        type=_checks,
+        default=4,
+        metavar="N|all",
+        help="prompts whose tokens are checked against the target's own greedy decoding (default 4)",
+    )
     _template_args(p)
     p.set_defaults(func=cmd_eval)
 
-    p = sub.add_parser("export", help="weights-only speculators folder of a checkpoint, reload-verified; prints the vllm line")
-    p.add_argument("--checkpoint", required=True, type=Path, help="checkpoint folder or a run's out_dir (its latest)")
+    p = sub.add_parser(
+        "export",
+        help="weights-only speculators folder of a checkpoint, reload-verified; prints the vllm line",
+    )
+    p.add_argument(
+        "--checkpoint", required=True, type=Path, help="checkpoint folder or a run's out_dir (its latest)"
+    )
     p.add_argument("--out", required=True, type=Path, help="new folder (must not exist)")
-    p.add_argument("--target", type=Path, default=None,
-                   help="target folder to take the frozen embedding/head from (default: the one recorded)")
-    p.add_argument("--verifier", default=None,
-                   help="verifier name or path written into the export's config (what the server loads)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                   help="cast the weights (default: as trained)")
+    p.add_argument(
+        "--target",
+        type=Path,
+        default=None,
+        help="target folder to take the frozen embedding/head from (default: the one recorded)",
+    )
+    p.add_argument(
+        "--verifier",
+        default=None,
+        help="verifier name or path written into the export's config (what the server loads)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default=None,
+        help="cast the weights (default: as trained)",
+    )
     p.set_defaults(func=cmd_export)
 
-    p = sub.add_parser("regenerate", help="the target writes the responses: a tokenized, loss-masked training dataset")
+    p = sub.add_parser(
+        "regenerate", help="the target writes the responses: a tokenized, loss-masked training dataset"
+    )
     p.add_argument("--target", required=True, type=Path)
-    p.add_argument("--prompts", required=True, type=Path,
-                   help='JSON lines: {"prompt": ...}, {"messages": [...]} or {"input_ids": [...]}')
+    p.add_argument(
+        "--prompts",
+        required=True,
+        type=Path,
+        help='JSON lines: {"prompt": ...}, {"messages": [...]} or {"input_ids": [...]}',
+    )
     p.add_argument("--out", required=True, type=Path, help="dataset folder (datasets.save_to_disk)")
     p.add_argument("--max-new-tokens", type=_positive, default=256)
     p.add_argument("--batch-size", type=_positive, default=16)

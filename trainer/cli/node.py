@@ -23,17 +23,38 @@ def _s3(args) -> int:
     from trainer.s3.push import push_folder
 
     if args.s3_cmd == "push":
-        report = push_folder(Path(args.dir), args.url, args.endpoint_url, args.check, tuple(args.exclude),
-                             args.workers, not args.no_progress)
-        text = (f"{report['s3']}: {report['files']} files, {report['bytes']} bytes; uploaded {report['uploaded']} "
-                f"({report['uploaded_bytes']} bytes), {report['skipped']} already there; manifest {report['manifest']}")
+        report = push_folder(
+            Path(args.dir),
+            args.url,
+            args.endpoint_url,
+            args.check,
+            tuple(args.exclude),
+            args.workers,
+            not args.no_progress,
+        )
+        text = (
+            f"{report['s3']}: {report['files']} files, {report['bytes']} bytes; uploaded "
+            f"{report['uploaded']} "
+            f"({report['uploaded_bytes']} bytes), {report['skipped']} already there; manifest "
+            f"{report['manifest']}"
+        )
         failed = report.get("failed", [])
     else:
-        report = pull(args.url, Path(args.dir), args.endpoint_url, args.check, args.workers, args.bwlimit_kbps,
-                      not args.no_progress)
-        text = (f"{report['dest']}: {report['files']} files, {report['bytes']} bytes; {report['present']} already "
-                f"there, {report['downloaded']} downloaded ({report['downloaded_bytes']} bytes, "
-                f"{report['resumed_bytes']} bytes resumed from partial files)")
+        report = pull(
+            args.url,
+            Path(args.dir),
+            args.endpoint_url,
+            args.check,
+            args.workers,
+            args.bwlimit_kbps,
+            not args.no_progress,
+        )
+        text = (
+            f"{report['dest']}: {report['files']} files, {report['bytes']} bytes; {report['present']} "
+            "already "
+            f"there, {report['downloaded']} downloaded ({report['downloaded_bytes']} bytes, "
+            f"{report['resumed_bytes']} bytes resumed from partial files)"
+        )
         if report.get("extra"):
             text += f"; {len(report['extra'])} local file(s) not in the manifest left alone"
         failed = report["failed"]
@@ -95,20 +116,30 @@ def _gpu_decide(args) -> int:
 
     facts = _json(_read(args.facts) or "{}", args.facts)
     gpus = facts.get("gpus", facts)
-    out = decide(gpus, args.driver_branch, args.cuda_version,
-                 secure_boot={"yes": True, "no": False}.get(args.secure_boot),
-                 toolkit_installed=args.toolkit_installed or None)
+    out = decide(
+        gpus,
+        args.driver_branch,
+        args.cuda_version,
+        secure_boot={"yes": True, "no": False}.get(args.secure_boot),
+        toolkit_installed=args.toolkit_installed or None,
+    )
     print(json.dumps(out, indent=1))
     return 0
 
 
 def register(sub) -> None:
-    p = sub.add_parser("plan", help="GPUs per target copy, data-parallel width, memory and offline/online arithmetic")
-    p.add_argument("--target-config", required=True, metavar="FILE", help="the target's config.json (or its folder)")
+    p = sub.add_parser(
+        "plan", help="GPUs per target copy, data-parallel width, memory and offline/online arithmetic"
+    )
+    p.add_argument(
+        "--target-config", required=True, metavar="FILE", help="the target's config.json (or its folder)"
+    )
     p.add_argument("--gpu", help="GPU kind: A100-40GB, A100-80GB, H100-80GB, H200, B200, RTX-PRO-6000-96GB")
     p.add_argument("--gpu-count", type=int, help="GPUs on the node")
     p.add_argument("--gpu-memory-gib", type=float, help="per-GPU memory for a GPU not in the catalog")
-    p.add_argument("--facts", metavar="RECON_JSON", help="a host's reports/<host>/recon.json instead of --gpu")
+    p.add_argument(
+        "--facts", metavar="RECON_JSON", help="a host's reports/<host>/recon.json instead of --gpu"
+    )
     p.add_argument("--gpus-per-copy", type=int, help="force the layout (the inventory override)")
     p.add_argument("--dtype", default="bfloat16", help="target weight dtype (default bfloat16)")
     p.add_argument("--draft-layers", type=int, default=1, help="drafter decoder layers (default 1)")
@@ -122,36 +153,51 @@ def register(sub) -> None:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_plan)
 
-    p = sub.add_parser("manifest", help="sha256 manifest of a folder: create one, or verify a copy against one")
+    p = sub.add_parser(
+        "manifest", help="sha256 manifest of a folder: create one, or verify a copy against one"
+    )
     msub = p.add_subparsers(dest="manifest_cmd", required=True, metavar="ACTION")
     c = msub.add_parser("create", help="hash every file under DIR into MANIFEST (written atomically)")
     c.add_argument("dir", metavar="DIR")
     c.add_argument("-o", "--output", required=True, metavar="MANIFEST")
-    c.add_argument("--reuse", action="store_true",
-                   help="keep the digests of files whose size and mtime match the existing MANIFEST")
+    c.add_argument(
+        "--reuse",
+        action="store_true",
+        help="keep the digests of files whose size and mtime match the existing MANIFEST",
+    )
     c.add_argument("--source", help="label stored in the manifest (default: DIR's absolute path)")
     v = msub.add_parser("verify", help="exit 1 naming every missing or differing file under DIR")
     v.add_argument("dir", metavar="DIR")
     v.add_argument("manifest", metavar="MANIFEST")
     v.add_argument("--strict", action="store_true", help="files not in the manifest are errors too")
     for q, impl in ((c, _manifest_create), (v, _manifest_verify)):
-        q.add_argument("--exclude", action="append", default=[], metavar="GLOB", help="skip paths matching GLOB")
+        q.add_argument(
+            "--exclude", action="append", default=[], metavar="GLOB", help="skip paths matching GLOB"
+        )
         q.add_argument("--workers", type=int, default=None, help="hashing threads (default: min(4, CPUs))")
         q.add_argument("--json", action="store_true", help="one JSON object on stdout")
         q.set_defaults(func=impl)
 
     p = sub.add_parser("s3", help="copy a folder to S3 or from S3, every file proven by its sha256")
     ssub = p.add_subparsers(dest="s3_cmd", required=True, metavar="ACTION")
-    up = ssub.add_parser("push", help="manifest DIR (beside it: DIR.manifest.json) and upload it to s3://BUCKET/PREFIX")
+    up = ssub.add_parser(
+        "push", help="manifest DIR (beside it: DIR.manifest.json) and upload it to s3://BUCKET/PREFIX"
+    )
     up.add_argument("dir", metavar="DIR")
     up.add_argument("url", metavar="s3://BUCKET/PREFIX")
-    up.add_argument("--exclude", action="append", default=[], metavar="GLOB", help="leave out paths matching GLOB")
-    down = ssub.add_parser("pull", help="download s3://BUCKET/PREFIX (it has a MANIFEST.json) into DIR, resumable")
+    up.add_argument(
+        "--exclude", action="append", default=[], metavar="GLOB", help="leave out paths matching GLOB"
+    )
+    down = ssub.add_parser(
+        "pull", help="download s3://BUCKET/PREFIX (it has a MANIFEST.json) into DIR, resumable"
+    )
     down.add_argument("url", metavar="s3://BUCKET/PREFIX")
     down.add_argument("dir", metavar="DIR")
     down.add_argument("--bwlimit-kbps", type=int, default=0, help="bandwidth cap in KiB/s (default 0: none)")
     for q, workers in ((up, 8), (down, 4)):
-        q.add_argument("--endpoint-url", help="S3 endpoint (default: AWS); credentials: the AWS_* variables or profile")
+        q.add_argument(
+            "--endpoint-url", help="S3 endpoint (default: AWS); credentials: the AWS_* variables or profile"
+        )
         q.add_argument("--check", action="store_true", help="say what would move, move nothing")
         q.add_argument("--workers", type=int, default=workers, help=f"parallel transfers (default {workers})")
         q.add_argument("--no-progress", action="store_true", help="no byte progress on stderr")

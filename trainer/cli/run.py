@@ -12,7 +12,11 @@ from trainer.errors import ExitCode
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", required=True, type=Path, help="run config YAML")
     p.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
         help="override a config key, e.g. --set train.lr=3e-4 (repeatable; values are YAML)",
     )
 
@@ -82,7 +86,9 @@ def register(sub) -> None:
     p.add_argument("--json", action="store_true", help="machine-readable report")
     p.set_defaults(func=cmd_preflight)
 
-    p = sub.add_parser("train", help="preflight, then train online (resumes from the newest verified checkpoint)")
+    p = sub.add_parser(
+        "train", help="preflight, then train online (resumes from the newest verified checkpoint)"
+    )
     _add_config_args(p)
     p.add_argument("--skip-preflight", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_train)
@@ -102,6 +108,9 @@ def register(sub) -> None:
     p.add_argument("--out", type=Path, default=Path("runs/demo"))
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--tiny", action="store_true", help="a random tiny target instead of SmolLM2-135M")
-    p.add_argument("--prepare-only", action="store_true",
-                   help="write target, data and run.yaml, print their paths as JSON, do not train (train.yml -l local)")
+    p.add_argument(
+        "--prepare-only",
+        action="store_true",
+        help="write target, data and run.yaml, print their paths as JSON, do not train (train.yml -l local)",
+    )
     p.set_defaults(func=cmd_demo)

@@ -9,7 +9,6 @@ which `notes` turns into NOTES.md and salvage-report.json.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import operator
@@ -18,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from trainer.errors import ExitCode
-
 
 
 def _emit(args, report: dict[str, Any], text: str) -> None:
@@ -62,8 +60,11 @@ def cmd_stop(args) -> int:
     _save(args.out, "stop", rep)
     text = render_table(inv) + "\n\n" + f"trainer: {rep['state']}: {rep['message']}"
     if rep.get("checkpoint"):
-        text += f"\ncheckpoint {rep['checkpoint']}: " + ("verifies" if not rep["checkpoint_problems"] else
-                                                         "DOES NOT VERIFY: " + "; ".join(rep["checkpoint_problems"]))
+        text += f"\ncheckpoint {rep['checkpoint']}: " + (
+            "verifies"
+            if not rep["checkpoint_problems"]
+            else "DOES NOT VERIFY: " + "; ".join(rep["checkpoint_problems"])
+        )
     if args.check:
         text += "\n(--check: nothing was stopped)"
     _emit(args, rep, text)
@@ -76,16 +77,32 @@ def cmd_stop(args) -> int:
 def cmd_collect(args) -> int:
     from trainer.salvage.collect import collect
 
-    rep = collect(args.run_dir, args.out, keep=args.keep, config=args.config, includes=args.include,
-                  recon=args.recon, with_data=not args.no_data, hardlink=not args.copy, check=args.check,
-                  refresh_facts=args.refresh_facts)
+    rep = collect(
+        args.run_dir,
+        args.out,
+        keep=args.keep,
+        config=args.config,
+        includes=args.include,
+        recon=args.recon,
+        with_data=not args.no_data,
+        hardlink=not args.copy,
+        check=args.check,
+        refresh_facts=args.refresh_facts,
+    )
     _save(args.out, "collect", rep)
-    lines = [(f"salvage set {rep['set_dir']}{' (--check: nothing written)' if args.check else ''}: "
-             f"{rep['files']} files, {rep['bytes']:,} bytes")]
+    lines = [
+        (
+            f"salvage set {rep['set_dir']}{' (--check: nothing written)' if args.check else ''}: "
+            f"{rep['files']} files, {rep['bytes']:,} bytes"
+        )
+    ]
     for kind, c in sorted(rep["by_kind"].items()):
         lines.append(f"  {kind:11} {c['files']:6} files {c['bytes']:>15,} bytes")
     for c in rep["checkpoints"]:
-        lines.append(f"  checkpoint {c['name']} ({c['why']}): " + ("verifies" if not c["problems"] else "DOES NOT VERIFY: " + "; ".join(c["problems"])))
+        lines.append(
+            f"  checkpoint {c['name']} ({c['why']}): "
+            + ("verifies" if not c["problems"] else "DOES NOT VERIFY: " + "; ".join(c["problems"]))
+        )
     for n in rep["not_moved"]:
         lines.append(f"  not moved: {n['path']} ({n['bytes']:,} bytes): {n['why']}")
     if args.check:
@@ -95,8 +112,10 @@ def cmd_collect(args) -> int:
         if len(places) > 200:
             lines.append(f"  ... and {len(places) - 200} more files")
     if not args.check:
-        lines.append(f"  manifest {rep['manifest']}: {rep['file_count']} files, {rep['total_bytes']:,} bytes "
-                     f"({rep['hashed']} hashed now, the rest unchanged)")
+        lines.append(
+            f"  manifest {rep['manifest']}: {rep['file_count']} files, {rep['total_bytes']:,} bytes "
+            f"({rep['hashed']} hashed now, the rest unchanged)"
+        )
     _emit(args, rep, "\n".join(lines))
     return ExitCode.OK
 
@@ -105,29 +124,50 @@ def cmd_push(args) -> int:
     from trainer.s3.push import push
     from trainer.salvage import RECORDS
 
-    rep = push(args.set, args.s3, args.endpoint_url, check=args.check, references=args.reference, records=RECORDS,
-               workers=args.workers, chunk_bytes=args.chunk_mib * 2**20, threshold_bytes=args.chunk_mib * 2**20,
-               progress=not args.no_progress)
+    rep = push(
+        args.set,
+        args.s3,
+        args.endpoint_url,
+        check=args.check,
+        references=args.reference,
+        records=RECORDS,
+        workers=args.workers,
+        chunk_bytes=args.chunk_mib * 2**20,
+        threshold_bytes=args.chunk_mib * 2**20,
+        progress=not args.no_progress,
+    )
     _save(args.set, "push", rep)
-    lines = [(f"push {args.set} -> {rep['s3']}{' (--check: nothing sent)' if args.check else ''}: "
-             f"{rep['files']} files, {rep['bytes']:,} bytes; {rep['to_upload']} to upload ({rep['to_upload_bytes']:,} bytes), "
-             f"{rep['skipped']} already there with equal sha256, {len(rep['referenced'])} referenced elsewhere")]
+    lines = [
+        (
+            f"push {args.set} -> {rep['s3']}{' (--check: nothing sent)' if args.check else ''}: "
+            f"{rep['files']} files, {rep['bytes']:,} bytes; {rep['to_upload']} to upload "
+            f"({rep['to_upload_bytes']:,} bytes), "
+            f"{rep['skipped']} already there with equal sha256, {len(rep['referenced'])} referenced elsewhere"
+        )
+    ]
     if args.check:
         for p in rep["plan"]:
             if p["action"] != "skip":
                 lines.append(f"  would {p['action']:9} {p['path']} ({p['size']:,} bytes): {p['why']}")
     else:
         n_rec = sum(r["uploaded"] for r in rep.get("records", {}).values())
-        lines.append(f"  uploaded {rep['uploaded']} object(s) + {n_rec} record(s) (NOTES.md, report), "
-                     f"{rep['uploaded_bytes']:,} bytes in {rep['seconds']} s")
+        lines.append(
+            f"  uploaded {rep['uploaded']} object(s) + {n_rec} record(s) (NOTES.md, report), "
+            f"{rep['uploaded_bytes']:,} bytes in {rep['seconds']} s"
+        )
         if rep.get("aborted_stale_uploads"):
-            lines.append(f"  aborted {len(rep['aborted_stale_uploads'])} multipart upload(s) left by an interrupted push")
+            lines.append(
+                f"  aborted {len(rep['aborted_stale_uploads'])} multipart upload(s) left by an interrupted "
+                "push"
+            )
         for f in rep["failed"]:
             lines.append(f"  FAILED {f['path']}: {f['error']}")
         if rep["ok"]:
             lines.append(f"  manifest stored at s3://{rep['s3'][5:].split('/')[0]}/{rep['manifest_key']}")
         else:
-            lines.append("  the manifest was NOT stored (the set is incomplete in S3): re-run the same push to resume")
+            lines.append(
+                "  the manifest was NOT stored (the set is incomplete in S3): re-run the same push to resume"
+            )
     rep.pop("plan", None) if not args.json else None
     _emit(args, rep, "\n".join(lines))
     return ExitCode.OK if rep["ok"] else ExitCode.FAILED
@@ -141,11 +181,24 @@ def cmd_verify(args) -> int:
 
         raise SalvageError("give either --s3 s3://BUCKET/PREFIX or a local salvage set folder")
     if args.s3:
-        rep = verify_s3(args.s3, args.endpoint_url, load=not args.no_load, target=args.target, workdir=args.workdir,
-                        workers=args.workers, data_gate=args.data_gate, load_checkpoints=not args.no_load_checkpoints)
+        rep = verify_s3(
+            args.s3,
+            args.endpoint_url,
+            load=not args.no_load,
+            target=args.target,
+            workdir=args.workdir,
+            workers=args.workers,
+            data_gate=args.data_gate,
+            load_checkpoints=not args.no_load_checkpoints,
+        )
     else:
-        rep = verify_local(args.set, load=not args.no_load, target=args.target, data_gate=args.data_gate,
-                           load_checkpoints=not args.no_load_checkpoints)
+        rep = verify_local(
+            args.set,
+            load=not args.no_load,
+            target=args.target,
+            data_gate=args.data_gate,
+            load_checkpoints=not args.no_load_checkpoints,
+        )
     _save(args.out, "verify", rep)
     _emit(args, rep, render(rep))
     return ExitCode.OK if rep["ok"] else ExitCode.FAILED
@@ -156,7 +209,10 @@ def cmd_notes(args) -> int:
 
     rep = write_notes(args.set)
     text = f"wrote {rep['notes']} and {rep['report']}: " + (
-        "the node can go" if rep["node_can_go"] else "DO NOT shut the node down yet:\n  " + "\n  ".join(rep["reasons"]))
+        "the node can go"
+        if rep["node_can_go"]
+        else "DO NOT shut the node down yet:\n  " + "\n  ".join(rep["reasons"])
+    )
     _emit(args, rep, text)
     return ExitCode.OK if rep["node_can_go"] else ExitCode.FAILED
 
@@ -168,20 +224,27 @@ def cmd_all(args) -> int:
     stop = ["stop", "--run-dir", str(args.run_dir), "--out", str(args.out), "--timeout", str(args.timeout)]
     stop += ["--stop-unknown"] if args.stop_unknown else []
     collect = ["collect", "--run-dir", str(args.run_dir), "--out", str(args.out), "--keep", str(args.keep)]
-    collect += (["--config", str(args.config)] if args.config else []) + (["--no-data"] if args.no_data else [])
+    collect += (["--config", str(args.config)] if args.config else []) + (
+        ["--no-data"] if args.no_data else []
+    )
     for p in args.include:
         collect += ["--include", str(p)]
     for p in args.recon:
         collect += ["--recon", str(p)]
-    push = ["push", str(args.out), *common_s3, "--no-progress"] + functools.reduce(operator.iadd, (["--reference", r] for r in args.reference), [])
+    push = ["push", str(args.out), *common_s3, "--no-progress"] + functools.reduce(
+        operator.iadd, (["--reference", r] for r in args.reference), []
+    )
     verify = ["verify", *common_s3, "--out", str(args.out), "--data-gate", args.data_gate]
     verify += ["--target", str(args.target)] if args.target else []
     if args.check:
         codes = [salvage_step([*stop, "--check", *base]), salvage_step([*collect, "--check", *base])]
         if (Path(args.out) / "MANIFEST.json").is_file():
             codes.append(salvage_step([*push, "--check", *base]))
-        print(f"(--check) then: verify every manifest entry at {args.s3} by reading it back, load each "
-              "checkpoint and dataset, write NOTES.md; nothing was changed", file=sys.stderr)
+        print(
+            f"(--check) then: verify every manifest entry at {args.s3} by reading it back, load each "
+            "checkpoint and dataset, write NOTES.md; nothing was changed",
+            file=sys.stderr,
+        )
         return max(codes)
     rc_stop = salvage_step([*stop, *base])
     if rc_stop == ExitCode.REFUSED:
@@ -198,48 +261,75 @@ def cmd_all(args) -> int:
 
 
 def register(sub) -> None:
-    sal = sub.add_parser("salvage", help="before a node is shut down: stop, collect, upload, verify, write notes")
+    sal = sub.add_parser(
+        "salvage", help="before a node is shut down: stop, collect, upload, verify, write notes"
+    )
     ss = sal.add_subparsers(dest="salvage_verb", required=True, metavar="STEP")
 
     def s3_args(p, required=True):
-        p.add_argument("--s3", required=required, metavar="s3://BUCKET/PREFIX", help="where the set lives in S3")
+        p.add_argument(
+            "--s3", required=required, metavar="s3://BUCKET/PREFIX", help="where the set lives in S3"
+        )
         p.add_argument("--endpoint-url", help="S3 endpoint (Ceph radosgw, MinIO, ...); default: AWS")
 
-    p = ss.add_parser("inventory", help="list running work (GPU processes, trainer, servers, sessions), classified")
-    p.add_argument("--run-dir", type=Path, action="append", default=[], help="a run folder (its pid is the trainer)")
+    p = ss.add_parser(
+        "inventory", help="list running work (GPU processes, trainer, servers, sessions), classified"
+    )
+    p.add_argument(
+        "--run-dir", type=Path, action="append", default=[], help="a run folder (its pid is the trainer)"
+    )
     p.add_argument("--stop-unknown", action="store_true", help="mark non-trainer work to be stopped too")
     p.add_argument("--out", type=Path, help="salvage set: record the report in SET/.salvage/")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_inventory)
 
-    p = ss.add_parser("stop", help="SIGTERM the trainer (via systemd/supervisor/torchrun), wait for its final checkpoint")
+    p = ss.add_parser(
+        "stop", help="SIGTERM the trainer (via systemd/supervisor/torchrun), wait for its final checkpoint"
+    )
     p.add_argument("--run-dir", type=Path, required=True)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for run_end (default 600)")
-    p.add_argument("--stop-unknown", action="store_true", help="also SIGTERM servers and unknown work afterwards")
+    p.add_argument(
+        "--stop-unknown", action="store_true", help="also SIGTERM servers and unknown work afterwards"
+    )
     p.add_argument("--check", action="store_true", help="say what would be stopped; stop nothing")
     p.add_argument("--out", type=Path)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_stop)
 
-    p = ss.add_parser("collect", help="copy the run's artifacts and node facts into a salvage set + sha256 manifest")
+    p = ss.add_parser(
+        "collect", help="copy the run's artifacts and node facts into a salvage set + sha256 manifest"
+    )
     p.add_argument("--run-dir", type=Path, required=True)
     p.add_argument("--out", type=Path, required=True, help="the salvage set folder")
     p.add_argument("--config", type=Path, help="the run config file as started (default: RUN_DIR/run.yaml)")
-    p.add_argument("--keep", type=int, default=2, help="newest K checkpoints (default 2) + the best by eval tau")
+    p.add_argument(
+        "--keep", type=int, default=2, help="newest K checkpoints (default 2) + the best by eval tau"
+    )
     p.add_argument("--include", type=Path, action="append", default=[], help="scripts/patches/configs to add")
     p.add_argument("--recon", type=Path, action="append", default=[], help="recon report(s) of this node")
-    p.add_argument("--no-data", action="store_true", help="leave the tokenized dataset out (listed as not moved)")
+    p.add_argument(
+        "--no-data", action="store_true", help="leave the tokenized dataset out (listed as not moved)"
+    )
     p.add_argument("--copy", action="store_true", help="copy large files instead of hard-linking them")
-    p.add_argument("--refresh-facts", action="store_true", help="take the node facts again (default: keep the first)")
+    p.add_argument(
+        "--refresh-facts", action="store_true", help="take the node facts again (default: keep the first)"
+    )
     p.add_argument("--check", action="store_true", help="list what would be collected; write nothing")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_collect)
 
-    p = ss.add_parser("push", help="upload a salvage set to S3 (multipart, Content-MD5, sha256 metadata, resumable)")
+    p = ss.add_parser(
+        "push", help="upload a salvage set to S3 (multipart, Content-MD5, sha256 metadata, resumable)"
+    )
     p.add_argument("set", type=Path, metavar="SET")
     s3_args(p)
-    p.add_argument("--reference", action="append", default=[], metavar="s3://BUCKET/PREFIX",
-                   help="another salvage set in S3: files with equal sha256 there are referenced, not re-sent")
+    p.add_argument(
+        "--reference",
+        action="append",
+        default=[],
+        metavar="s3://BUCKET/PREFIX",
+        help="another salvage set in S3: files with equal sha256 there are referenced, not re-sent",
+    )
     p.add_argument("--workers", type=int, default=8, help="parallel part uploads (default 8)")
     p.add_argument("--chunk-mib", type=int, default=16, help="multipart part size and threshold (default 16)")
     p.add_argument("--no-progress", action="store_true")
@@ -252,21 +342,33 @@ def register(sub) -> None:
     s3_args(p, required=False)
     p.add_argument("--target", type=Path, help="target model folder for the checkpoints' verifier weights")
     p.add_argument("--no-load", action="store_true", help="integrity only: skip every loadability check")
-    p.add_argument("--no-load-checkpoints", action="store_true", help="checkpoints: SHA256SUMS only, no speculators")
-    p.add_argument("--data-gate", choices=("fail", "warn"), default="fail",
-                   help="a dataset the data gate refuses fails verify (default) or is a warning")
-    p.add_argument("--workdir", type=Path, help="keep the read-back copies here (default: a temp folder, removed)")
+    p.add_argument(
+        "--no-load-checkpoints", action="store_true", help="checkpoints: SHA256SUMS only, no speculators"
+    )
+    p.add_argument(
+        "--data-gate",
+        choices=("fail", "warn"),
+        default="fail",
+        help="a dataset the data gate refuses fails verify (default) or is a warning",
+    )
+    p.add_argument(
+        "--workdir", type=Path, help="keep the read-back copies here (default: a temp folder, removed)"
+    )
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--out", type=Path, help="salvage set: record the report in SET/.salvage/")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_verify)
 
-    p = ss.add_parser("notes", help="write NOTES.md and salvage-report.json into the set from the step reports")
+    p = ss.add_parser(
+        "notes", help="write NOTES.md and salvage-report.json into the set from the step reports"
+    )
     p.add_argument("set", type=Path, metavar="SET")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_notes)
 
-    p = ss.add_parser("all", help="every step in order: stop, collect, push, verify, notes (what the role runs)")
+    p = ss.add_parser(
+        "all", help="every step in order: stop, collect, push, verify, notes (what the role runs)"
+    )
     p.add_argument("--run-dir", type=Path, required=True)
     p.add_argument("--out", type=Path, required=True)
     s3_args(p)
@@ -286,7 +388,8 @@ def register(sub) -> None:
 
 
 def salvage_step(argv: list[str]) -> int:
-    """One step of `salvage all`, exactly as `dflash salvage ARGV...` would run it (its errors become its exit code)."""
+    """One step of `salvage all`, exactly as `dflash salvage ARGV...` would run it (its errors become
+    its exit code)."""
     from trainer.cli import main
 
     return main(["salvage", *argv])

@@ -9,17 +9,28 @@ from pathlib import Path
 
 
 def _alert_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--stall-factor", type=float, default=5.0,
-                   help="alert when no step came for this many median gaps between steps (default 5)")
-    p.add_argument("--stall-min-s", type=float, default=60.0, help="... and for at least this many seconds (default 60)")
-    p.add_argument("--disk-min-gb", type=float, default=10.0, help="alert below this much free disk, GiB (default 10)")
+    p.add_argument(
+        "--stall-factor",
+        type=float,
+        default=5.0,
+        help="alert when no step came for this many median gaps between steps (default 5)",
+    )
+    p.add_argument(
+        "--stall-min-s", type=float, default=60.0, help="... and for at least this many seconds (default 60)"
+    )
+    p.add_argument(
+        "--disk-min-gb", type=float, default=10.0, help="alert below this much free disk, GiB (default 10)"
+    )
 
 
 def _thresholds(args):
     from trainer.monitor.alerts import Thresholds
 
-    return Thresholds(stall_factor=args.stall_factor, stall_min_s=args.stall_min_s,
-                      disk_min_bytes=int(args.disk_min_gb * 2**30))
+    return Thresholds(
+        stall_factor=args.stall_factor,
+        stall_min_s=args.stall_min_s,
+        disk_min_bytes=int(args.disk_min_gb * 2**30),
+    )
 
 
 def cmd_monitor(args) -> int:
@@ -34,8 +45,14 @@ def cmd_monitor(args) -> int:
     elif os.environ.get("DFLASH_MONITOR_TOKEN"):
         token = os.environ["DFLASH_MONITOR_TOKEN"].strip()
     try:
-        serve(args.run_dir, host=args.host, port=args.port, token=token, allow_remote=args.allow_remote,
-              thresholds=_thresholds(args))
+        serve(
+            args.run_dir,
+            host=args.host,
+            port=args.port,
+            token=token,
+            allow_remote=args.allow_remote,
+            thresholds=_thresholds(args),
+        )
     except OSError as exc:
         raise MonitorError(f"cannot listen on {args.host}:{args.port}: {exc}") from None
     return 0
@@ -44,18 +61,33 @@ def cmd_monitor(args) -> int:
 def cmd_status(args) -> int:
     from trainer.monitor.status import status
 
-    return status(args.run_dir, run=args.run, watch=args.watch, interval=args.interval, as_json=args.json,
-                  thresholds=_thresholds(args))
+    return status(
+        args.run_dir,
+        run=args.run,
+        watch=args.watch,
+        interval=args.interval,
+        as_json=args.json,
+        thresholds=_thresholds(args),
+    )
 
 
 def register(sub) -> None:
     p = sub.add_parser("monitor", help="serve the live run page and its API (127.0.0.1:8080 by default)")
-    p.add_argument("--run-dir", required=True, type=Path,
-                   help="a run's out_dir, or a folder of runs (the page gets a selector); may not exist yet")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: reach it through ssh -L)")
+    p.add_argument(
+        "--run-dir",
+        required=True,
+        type=Path,
+        help="a run's out_dir, or a folder of runs (the page gets a selector); may not exist yet",
+    )
+    p.add_argument(
+        "--host", default="127.0.0.1", help="bind address (default 127.0.0.1: reach it through ssh -L)"
+    )
     p.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 picks a free one)")
-    p.add_argument("--allow-remote", action="store_true",
-                   help="allow a non-loopback --host; needs a token (--token-file or DFLASH_MONITOR_TOKEN)")
+    p.add_argument(
+        "--allow-remote",
+        action="store_true",
+        help="allow a non-loopback --host; needs a token (--token-file or DFLASH_MONITOR_TOKEN)",
+    )
     p.add_argument("--token-file", type=Path, help="file holding the access token (at least 16 characters)")
     _alert_args(p)
     p.set_defaults(func=cmd_monitor)

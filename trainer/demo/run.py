@@ -21,19 +21,27 @@ def _prepare(out: Path, tiny: bool, samples: int) -> dict:
             synth.tiny_target(target)
         if not data.exists():
             rng = np.random.default_rng(0)
-            synth.greedy_dataset(target, [rng.integers(3, 500, size=8).tolist() for _ in range(samples)], 56, data)
+            synth.greedy_dataset(
+                target, [rng.integers(3, 500, size=8).tolist() for _ in range(samples)], 56, data
+            )
         return {"target": target, "data": data, "aux": [1, 2, 3], "mask": 511, "block": 4, "tokens": 512}
     from trainer.demo.smollm import ensure_smollm2
 
     target = ensure_smollm2()
     if not data.exists():
-        print(f"demo: SmolLM2 answers {samples} questions made from stdlib docstrings (greedy, chat template)...", flush=True)
+        print(
+            f"demo: SmolLM2 answers {samples} questions made from stdlib docstrings (greedy, chat "
+            "template)...",
+            flush=True,
+        )
         synth.chat_dataset(target, synth.stdlib_docstrings(samples), 80, data)
     # DFLASH.md's baseline: 5 aux layers of 30, mask id 16 (<empty_output>: special, never in chat data)
     return {"target": target, "data": data, "aux": [2, 9, 16, 23, 29], "mask": 16, "block": 8, "tokens": 512}
 
 
-def run_demo(out: Path, steps: int = 40, tiny: bool = False, samples: int = 48, prepare_only: bool = False) -> int:
+def run_demo(
+    out: Path, steps: int = 40, tiny: bool = False, samples: int = 48, prepare_only: bool = False
+) -> int:
     """prepare_only: write the target, data and run.yaml, print their paths as JSON, train nothing (the
     train.yml play on the `local` group starts the run as a service instead)."""
     import json
@@ -47,9 +55,20 @@ def run_demo(out: Path, steps: int = 40, tiny: bool = False, samples: int = 48, 
     raw = {
         "target": {"path": str(p["target"])},
         "data": {"path": str(p["data"])},
-        "drafter": {"num_layers": 1, "block_size": p["block"], "aux_layer_ids": p["aux"], "mask_token_id": p["mask"]},
-        "train": {"max_steps": steps, "lr": 1.0e-3, "checkpoint_every": max(1, steps // 2),
-                  "max_tokens_per_batch": p["tokens"], "max_anchors": 64, "warmup_steps": max(1, steps // 10)},
+        "drafter": {
+            "num_layers": 1,
+            "block_size": p["block"],
+            "aux_layer_ids": p["aux"],
+            "mask_token_id": p["mask"],
+        },
+        "train": {
+            "max_steps": steps,
+            "lr": 1.0e-3,
+            "checkpoint_every": max(1, steps // 2),
+            "max_tokens_per_batch": p["tokens"],
+            "max_anchors": 64,
+            "warmup_steps": max(1, steps // 10),
+        },
         "out_dir": str(out / "run"),
     }
     cfg_path = out / "run.yaml"
@@ -58,11 +77,20 @@ def run_demo(out: Path, steps: int = 40, tiny: bool = False, samples: int = 48, 
         atomic_write_text(cfg_path, text)
     if prepare_only:
         load_config(cfg_path)  # a config that does not validate fails here, before any service starts
-        print(json.dumps({"config": str(cfg_path), "target": str(p["target"]), "data": str(p["data"]),
-                          "out_dir": raw["out_dir"], "run_config": raw}))
+        print(
+            json.dumps(
+                {
+                    "config": str(cfg_path),
+                    "target": str(p["target"]),
+                    "data": str(p["data"]),
+                    "out_dir": raw["out_dir"],
+                    "run_config": raw,
+                }
+            )
+        )
         return 0
-    from trainer.training.loop import train
     from trainer.monitor.summary import render_summary
+    from trainer.training.loop import train
 
     print(f"demo: run config {cfg_path}", flush=True)
     code = train(load_config(cfg_path))

@@ -37,7 +37,9 @@ def greedy_dataset(
     return save_dataset(rows, Path(out_dir))
 
 
-def tiny_target(out_dir: Path, num_layers: int = 4, hidden: int = 64, vocab: int = 512, seed: int = 0) -> Path:
+def tiny_target(
+    out_dir: Path, num_layers: int = 4, hidden: int = 64, vocab: int = 512, seed: int = 0
+) -> Path:
     """A random Qwen3 target built on the spot (no download), saved as safetensors."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -67,10 +69,41 @@ def tiny_target(out_dir: Path, num_layers: int = 4, hidden: int = 64, vocab: int
 
 # ---------------------------------------------------------------- real prompts, chat template
 STDLIB_MODULES = (
-    "json", "os.path", "itertools", "functools", "collections", "re", "textwrap", "string", "shutil",
-    "pathlib", "statistics", "random", "heapq", "bisect", "datetime", "csv", "base64", "difflib",
-    "fnmatch", "glob", "gzip", "hashlib", "inspect", "ipaddress", "operator", "pprint", "shlex",
-    "tempfile", "urllib.parse", "uuid", "zipfile", "argparse", "calendar", "copy", "fractions",
+    "json",
+    "os.path",
+    "itertools",
+    "functools",
+    "collections",
+    "re",
+    "textwrap",
+    "string",
+    "shutil",
+    "pathlib",
+    "statistics",
+    "random",
+    "heapq",
+    "bisect",
+    "datetime",
+    "csv",
+    "base64",
+    "difflib",
+    "fnmatch",
+    "glob",
+    "gzip",
+    "hashlib",
+    "inspect",
+    "ipaddress",
+    "operator",
+    "pprint",
+    "shlex",
+    "tempfile",
+    "urllib.parse",
+    "uuid",
+    "zipfile",
+    "argparse",
+    "calendar",
+    "copy",
+    "fractions",
 )
 
 
@@ -84,7 +117,9 @@ def stdlib_docstrings(limit: int, seed: int = 0) -> list[str]:
     for mod_name in STDLIB_MODULES:
         mod = importlib.import_module(mod_name)
         for name, obj in sorted(vars(mod).items()):
-            if name.startswith("_") or not (inspect.isfunction(obj) or inspect.isclass(obj) or inspect.isbuiltin(obj)):
+            if name.startswith("_") or not (
+                inspect.isfunction(obj) or inspect.isclass(obj) or inspect.isbuiltin(obj)
+            ):
                 continue
             doc = inspect.getdoc(obj) or ""
             para = doc.split("\n\n")[0].replace("\n", " ").strip()
@@ -92,10 +127,15 @@ def stdlib_docstrings(limit: int, seed: int = 0) -> list[str]:
                 found.setdefault(f"{mod_name}.{name}", para)
     keys = sorted(found)
     order = np.random.default_rng(seed).permutation(len(keys))
-    return [f"Explain what `{keys[i]}` does in Python and give a short example.\n\n{found[keys[i]]}" for i in order[:limit]]
+    return [
+        f"Explain what `{keys[i]}` does in Python and give a short example.\n\n{found[keys[i]]}"
+        for i in order[:limit]
+    ]
 
 
-def chat_dataset(target_dir: Path, questions: list[str], new_tokens: int, out_dir: Path, batch_size: int = 16) -> Path:
+def chat_dataset(
+    target_dir: Path, questions: list[str], new_tokens: int, out_dir: Path, batch_size: int = 16
+) -> Path:
     """The target answers each question (chat template, greedy, left-padded batches) via
     `dflash regenerate`'s code: loss mask over the response up to and including the end-of-turn
     token, nothing after it; dflash_data.json records the template used."""
@@ -106,5 +146,13 @@ def chat_dataset(target_dir: Path, questions: list[str], new_tokens: int, out_di
 
     with tempfile.TemporaryDirectory(prefix="dflash-questions-") as tmp:
         prompts = write_prompt_file(Path(tmp) / "questions.jsonl", [{"prompt": q} for q in questions])
-        return regenerate(RegenOptions(target=Path(target_dir), prompts=prompts, out=Path(out_dir),
-                                       max_new_tokens=new_tokens, batch_size=batch_size, device="cpu"))
+        return regenerate(
+            RegenOptions(
+                target=Path(target_dir),
+                prompts=prompts,
+                out=Path(out_dir),
+                max_new_tokens=new_tokens,
+                batch_size=batch_size,
+                device="cpu",
+            )
+        )

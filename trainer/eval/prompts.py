@@ -8,12 +8,13 @@ so a dataset and an evaluation can be compared. Heavy only when a tokenizer is n
 
 from __future__ import annotations
 
-from trainer.errors import DflashError
 import hashlib
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from trainer.errors import DflashError
 
 
 class PromptError(DflashError, ValueError):
@@ -65,7 +66,7 @@ def read_prompt_file(path: Path, limit: int | None = None) -> list[PromptLine]:
         kinds = [k for k in ("prompt", "messages", "input_ids") if isinstance(obj, dict) and k in obj]
         if len(kinds) != 1:
             raise PromptError(
-                f"{path}:{lineno}: each line needs exactly one of \"prompt\", \"messages\" or \"input_ids\""
+                f'{path}:{lineno}: each line needs exactly one of "prompt", "messages" or "input_ids"'
             )
         kind, value = kinds[0], obj[kinds[0]]
         _check(path, lineno, kind, value)
@@ -80,18 +81,22 @@ def read_prompt_file(path: Path, limit: int | None = None) -> list[PromptLine]:
 def _check(path: Path, lineno: int, kind: str, value: Any) -> None:
     where = f"{path}:{lineno}"
     if kind == "prompt" and not (isinstance(value, str) and value.strip()):
-        raise PromptError(f"{where}: \"prompt\" must be a non-empty string")
+        raise PromptError(f'{where}: "prompt" must be a non-empty string')
     if kind == "input_ids" and not (
         isinstance(value, list) and value and all(isinstance(t, int) and t >= 0 for t in value)
     ):
-        raise PromptError(f"{where}: \"input_ids\" must be a non-empty list of non-negative ints")
+        raise PromptError(f'{where}: "input_ids" must be a non-empty list of non-negative ints')
     if kind == "messages":
-        ok = isinstance(value, list) and value and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in value
+        ok = (
+            isinstance(value, list)
+            and value
+            and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in value
+            )
         )
         if not ok:
-            raise PromptError(f"{where}: \"messages\" must be a non-empty list of {{role, content}} objects")
+            raise PromptError(f'{where}: "messages" must be a non-empty list of {{role, content}} objects')
 
 
 def write_prompt_file(path: Path, rows: list[dict[str, Any]]) -> Path:
@@ -117,7 +122,9 @@ def resolve_settings(tokenizer, chat_template: bool | None, thinking: str | None
     if chat_template is None:
         chat_template = template is not None
     if chat_template and template is None:
-        raise PromptError("--chat-template: the target's tokenizer has no chat template (use --no-chat-template)")
+        raise PromptError(
+            "--chat-template: the target's tokenizer has no chat template (use --no-chat-template)"
+        )
     if thinking is not None and not chat_template:
         raise PromptError("--thinking needs the chat template (it is passed to it as enable_thinking)")
     digest = hashlib.sha256(template.encode()).hexdigest() if chat_template else None
@@ -133,7 +140,7 @@ def encode(lines: list[PromptLine], tokenizer, settings: TemplateSettings) -> li
             continue
         if tokenizer is None:
             raise PromptError(
-                f"prompt {line.index + 1} is text but the target has no tokenizer: give \"input_ids\" lines"
+                f'prompt {line.index + 1} is text but the target has no tokenizer: give "input_ids" lines'
             )
         if settings.chat_template:
             messages = line.value if line.kind == "messages" else [{"role": "user", "content": line.value}]

@@ -71,33 +71,56 @@ def render_markdown(rep: dict[str, Any], png_name: str | None) -> str:
         "",
         f"- drafter: `{rep['drafter']}`",
         f"- target: `{rep['target']}`",
-        f"- prompts: `{rep['prompts']}` ({rep['num_prompts']} prompts, up to {rep['max_new_tokens']} new tokens)",
+        f"- prompts: `{rep['prompts']}` ({rep['num_prompts']} prompts, up to {rep['max_new_tokens']} new "
+        "tokens)",
         f"- loop: {rep['mode']}, block size {rep['block_size']}, device {rep['device']}",
         "",
         "| tau | rounds | new tokens | tokens/s | target alone tokens/s | wall s | lossless |",
         "| --- | --- | --- | --- | --- | --- | --- |",
-        (f"| **{fmt_number(rep['tau'])}** | {rep['rounds']} | {rep['new_tokens']} | {fmt_number(rep['tokens_per_s'], 1)} | "
-         f"{fmt_number(ll.get('target_tokens_per_s'), 1)} | {fmt_number(rep['wall_s'], 1)} | {verdict} ({ll['matched']}/{ll['checked']}) |"),
+        (
+            f"| **{fmt_number(rep['tau'])}** | {rep['rounds']} | {rep['new_tokens']} | "
+            f"{fmt_number(rep['tokens_per_s'], 1)} | "
+            f"{fmt_number(ll.get('target_tokens_per_s'), 1)} | {fmt_number(rep['wall_s'], 1)} | {verdict} "
+            f"({ll['matched']}/{ll['checked']}) |"
+        ),
         "",
     ]
     for w in rep["warnings"]:
         lines.append(f"> **warning**: {w}")
     if rep["warnings"]:
         lines.append("")
-    lines += ["## Acceptance by position", "", "| slot | " + " | ".join(str(k) for k in range(1, rep["block_size"])) + " |",
-              "| --- |" + " --- |" * (rep["block_size"] - 1),
-              "| accepted | " + " | ".join(fmt_number(p) for p in rep["per_position_acceptance"]) + " |", ""]
+    lines += [
+        "## Acceptance by position",
+        "",
+        "| slot | " + " | ".join(str(k) for k in range(1, rep["block_size"])) + " |",
+        "| --- |" + " --- |" * (rep["block_size"] - 1),
+        "| accepted | " + " | ".join(fmt_number(p) for p in rep["per_position_acceptance"]) + " |",
+        "",
+    ]
     hist = rep["acceptance_histogram"]
-    lines += ["## Accepted drafts per round", "", "| accepted | " + " | ".join(hist) + " |",
-              "| --- |" + " --- |" * len(hist), "| rounds | " + " | ".join(str(v) for v in hist.values()) + " |", ""]
+    lines += [
+        "## Accepted drafts per round",
+        "",
+        "| accepted | " + " | ".join(hist) + " |",
+        "| --- |" + " --- |" * len(hist),
+        "| rounds | " + " | ".join(str(v) for v in hist.values()) + " |",
+        "",
+    ]
     if png_name:
         lines += [f"![acceptance]({png_name})", ""]
-    lines += ["## Per prompt", "", "| # | prompt tokens | new tokens | rounds | tau | stopped | lossless |",
-              "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines += [
+        "## Per prompt",
+        "",
+        "| # | prompt tokens | new tokens | rounds | tau | stopped | lossless |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for p in rep["per_prompt"][:200]:
         mark = {True: "ok", False: "MISMATCH", None: "-"}[p["lossless"]]
-        lines.append(f"| {p['index']} | {p['prompt_tokens']} | {p['new_tokens']} | {p['rounds']} | {fmt_number(p['tau'])} | "
-                     f"{p['stopped']} | {mark} |")
+        lines.append(
+            f"| {p['index']} | {p['prompt_tokens']} | {p['new_tokens']} | {p['rounds']} | "
+            f"{fmt_number(p['tau'])} | "
+            f"{p['stopped']} | {mark} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -123,8 +146,13 @@ def plot_report(rep: dict[str, Any], path: Path) -> None:
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 3.8))
     slots = list(range(1, rep["block_size"]))
     a1.bar(slots, [p or 0 for p in rep["per_position_acceptance"]], color="#3b7dd8")
-    a1.set(xlabel="draft slot k", ylabel="P(slot k accepted)", ylim=(0, 1), xticks=slots,
-           title=f"per-position acceptance (tau {fmt_number(rep['tau'])})")
+    a1.set(
+        xlabel="draft slot k",
+        ylabel="P(slot k accepted)",
+        ylim=(0, 1),
+        xticks=slots,
+        title=f"per-position acceptance (tau {fmt_number(rep['tau'])})",
+    )
     taus = [p["tau"] or 0 for p in rep["per_prompt"]]
     a2.bar(range(len(taus)), taus, color="#e08a2c")
     if rep["tau"]:
@@ -152,8 +180,14 @@ def write_report(rep: dict[str, Any], out: Path) -> list[Path]:
 # ---------------------------------------------------------------- several drafters
 def comparison_rows(reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [
-        {"label": r["label"], "tau": r["tau"], "tokens_per_s": r["tokens_per_s"], "rounds": r["rounds"],
-         "per_position_acceptance": r["per_position_acceptance"], "lossless_ok": r["lossless"]["ok"]}
+        {
+            "label": r["label"],
+            "tau": r["tau"],
+            "tokens_per_s": r["tokens_per_s"],
+            "rounds": r["rounds"],
+            "per_position_acceptance": r["per_position_acceptance"],
+            "lossless_ok": r["lossless"]["ok"],
+        }
         for r in reports
     ]
 
@@ -162,12 +196,16 @@ def render_table(reports: list[dict[str, Any]]) -> str:
     """The side-by-side text table `dflash eval` prints for several drafters."""
     B = max(r["block_size"] for r in reports)
     width = max(8, *(len(r["label"]) for r in reports))
-    head = f"{'drafter':{width}}  {'tau':>6}  {'tok/s':>8}  " + " ".join(f"{'p' + str(k):>5}" for k in range(1, B))
+    head = f"{'drafter':{width}}  {'tau':>6}  {'tok/s':>8}  " + " ".join(
+        f"{'p' + str(k):>5}" for k in range(1, B)
+    )
     out = [head, "-" * len(head)]
     for r in reports:
         pp = r["per_position_acceptance"] + [None] * (B - r["block_size"])
-        out.append(f"{r['label']:{width}}  {fmt_number(r['tau']):>6}  {fmt_number(r['tokens_per_s'], 1):>8}  "
-                   + " ".join(f"{fmt_number(p, 2):>5}" for p in pp))
+        out.append(
+            f"{r['label']:{width}}  {fmt_number(r['tau']):>6}  {fmt_number(r['tokens_per_s'], 1):>8}  "
+            + " ".join(f"{fmt_number(p, 2):>5}" for p in pp)
+        )
     return "\n".join(out)
 
 
@@ -189,11 +227,25 @@ def plot_comparison(reports: list[dict[str, Any]], path: Path) -> None:
 def write_comparison(reports: list[dict[str, Any]], out: Path) -> list[Path]:
     md, png = sidecars(out)
     plot_comparison(reports, png)
-    text = ["# Drafter comparison", "", f"target `{reports[0]['target']}`, prompts `{reports[0]['prompts']}`", "",
-            "```", render_table(reports), "```", "", f"![comparison]({png.name})", ""]
+    text = [
+        "# Drafter comparison",
+        "",
+        f"target `{reports[0]['target']}`, prompts `{reports[0]['prompts']}`",
+        "",
+        "```",
+        render_table(reports),
+        "```",
+        "",
+        f"![comparison]({png.name})",
+        "",
+    ]
     for r in reports:
         text += [f"- {r['label']}: `{r['drafter']}`"] + [f"  - warning: {w}" for w in r["warnings"]]
     atomic_write_text(md, "\n".join(text) + "\n")
-    doc = {"schema_version": REPORT_SCHEMA_VERSION, "comparison": comparison_rows(reports), "reports": reports}
+    doc = {
+        "schema_version": REPORT_SCHEMA_VERSION,
+        "comparison": comparison_rows(reports),
+        "reports": reports,
+    }
     atomic_write_text(Path(out), json.dumps(doc, indent=1))
     return [Path(out), md, png]

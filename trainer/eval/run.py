@@ -16,8 +16,8 @@ import torch
 from trainer.eval import prompts as P
 from trainer.eval.report import (
     REPORT_SCHEMA_VERSION,
-    fmt_number,
     aggregate,
+    fmt_number,
     per_prompt,
     render_table,
     write_comparison,
@@ -75,15 +75,27 @@ def _label(path: Path, taken: set[str]) -> str:
     p = Path(path).resolve()
     label = p.name
     if label in taken or label.startswith("step-"):
-        label = f"{p.parent.parent.name}/{p.name}" if p.parent.name == "checkpoints" else f"{p.parent.name}/{p.name}"
+        label = (
+            f"{p.parent.parent.name}/{p.name}"
+            if p.parent.name == "checkpoints"
+            else f"{p.parent.name}/{p.name}"
+        )
     while label in taken:
         label += "'"
     taken.add(label)
     return label
 
 
-def evaluate_one(opts: EvalOptions, folder: Path, target, token_prompts: list[list[int]], settings,
-                 stop_ids: set[int], device: torch.device, label: str) -> dict[str, Any]:
+def evaluate_one(
+    opts: EvalOptions,
+    folder: Path,
+    target,
+    token_prompts: list[list[int]],
+    settings,
+    stop_ids: set[int],
+    device: torch.device,
+    label: str,
+) -> dict[str, Any]:
     from tqdm import tqdm
 
     from trainer.eval.harness import speculate, target_greedy
@@ -98,15 +110,20 @@ def evaluate_one(opts: EvalOptions, folder: Path, target, token_prompts: list[li
     if B < 2:
         raise P.PromptError("--block-size must be at least 2 (an anchor and one draft)")
     if B > trained_block:
-        warnings.append(f"block size {B} > the drafter's trained block size {trained_block}: slots past "
-                        f"{trained_block - 1} were never trained")
+        warnings.append(
+            f"block size {B} > the drafter's trained block size {trained_block}: slots past "
+            f"{trained_block - 1} were never trained"
+        )
     if list(drafter.target_layer_ids) != list(target.aux_ids):
         raise RuntimeError(f"target hooked at {target.aux_ids}, drafter wired to {drafter.target_layer_ids}")
     meta, where = training_data_meta(folder)
     diffs = settings.differences(meta.get("template") if meta else None)
     if diffs:
-        warnings.append(f"the drafter's training data ({where}) was made with other prompt settings: "
-                        + "; ".join(diffs) + " (train and serve with the same chat template and thinking mode)")
+        warnings.append(
+            f"the drafter's training data ({where}) was made with other prompt settings: "
+            + "; ".join(diffs)
+            + " (train and serve with the same chat template and thinking mode)"
+        )
     for w in warnings:
         print(f"dflash eval: WARNING {w}", file=sys.stderr, flush=True)
     ref_target = ReferenceTarget(target) if opts.reference else None
@@ -133,16 +150,25 @@ def evaluate_one(opts: EvalOptions, folder: Path, target, token_prompts: list[li
         greedy_s += secs
         lossless[i] = ref_tokens == results[i].tokens
         if not lossless[i]:
-            first = next((j for j, (a, b) in enumerate(zip(ref_tokens, results[i].tokens)) if a != b),
-                         min(len(ref_tokens), len(results[i].tokens)))
+            first = next(
+                (j for j, (a, b) in enumerate(zip(ref_tokens, results[i].tokens)) if a != b),
+                min(len(ref_tokens), len(results[i].tokens)),
+            )
             mismatches.append({"prompt": i, "first_difference_at": first})
     agg = aggregate(results, B)
     target_tps = greedy_tokens / greedy_s if greedy_s > 0 else None
-    ll = {"checked": n_check, "matched": sum(lossless.values()), "ok": all(lossless.values()) if n_check else None,
-          "mismatches": mismatches, "target_tokens_per_s": target_tps}
+    ll = {
+        "checked": n_check,
+        "matched": sum(lossless.values()),
+        "ok": all(lossless.values()) if n_check else None,
+        "mismatches": mismatches,
+        "target_tokens_per_s": target_tps,
+    }
     if mismatches:
-        warnings.append(f"LOSSLESS CHECK FAILED on {len(mismatches)} of {n_check} prompts: committed tokens differ "
-                        "from the target's greedy decoding")
+        warnings.append(
+            f"LOSSLESS CHECK FAILED on {len(mismatches)} of {n_check} prompts: committed tokens differ "
+            "from the target's greedy decoding"
+        )
     return {
         "schema_version": REPORT_SCHEMA_VERSION,
         "label": label,
@@ -160,7 +186,9 @@ def evaluate_one(opts: EvalOptions, folder: Path, target, token_prompts: list[li
         "template": settings.to_dict(),
         "training_data_template": meta.get("template") if meta else None,
         **agg,
-        "speedup_vs_target": (agg["tokens_per_s"] / target_tps) if (target_tps and agg["tokens_per_s"]) else None,
+        "speedup_vs_target": (agg["tokens_per_s"] / target_tps)
+        if (target_tps and agg["tokens_per_s"])
+        else None,
         "lossless": ll,
         "wall_s": round(time.perf_counter() - t_start, 3),
         "warnings": warnings,
@@ -198,10 +226,20 @@ def record_in_run(checkpoint: Path, report: dict[str, Any], report_path: Path) -
     except (OSError, ValueError):
         step = None
     EventWriter(out_dir, run_id).emit(
-        "eval", step=step, checkpoint=checkpoint.name, tau=report["tau"], rounds=report["rounds"],
-        block_size=report["block_size"], per_position_acceptance=report["per_position_acceptance"],
-        tokens_per_s=report["tokens_per_s"], num_prompts=report["num_prompts"], prompts=report["prompts"],
-        mode=report["mode"], lossless_ok=report["lossless"]["ok"], report=str(report_path))
+        "eval",
+        step=step,
+        checkpoint=checkpoint.name,
+        tau=report["tau"],
+        rounds=report["rounds"],
+        block_size=report["block_size"],
+        per_position_acceptance=report["per_position_acceptance"],
+        tokens_per_s=report["tokens_per_s"],
+        num_prompts=report["num_prompts"],
+        prompts=report["prompts"],
+        mode=report["mode"],
+        lossless_ok=report["lossless"]["ok"],
+        report=str(report_path),
+    )
     return stream
 
 
@@ -241,13 +279,19 @@ def run_eval(opts: EvalOptions) -> int:
         aux = aux_ids_of(folder)
         if target is None or target.aux_ids != aux:
             target = HookedTarget(opts.target, aux, device)
-        reports.append(evaluate_one(opts, folder, target, token_prompts, settings, stop_ids, device, _label(given, taken)))
+        reports.append(
+            evaluate_one(
+                opts, folder, target, token_prompts, settings, stop_ids, device, _label(given, taken)
+            )
+        )
     if len(reports) == 1:
         paths = write_report(reports[0], out)
         r = reports[0]
-        print(f"tau {fmt_number(r['tau'])} over {r['rounds']} rounds (block {r['block_size']}), "
-              f"{fmt_number(r['tokens_per_s'], 1)} tokens/s; per position "
-              + " ".join(fmt_number(p, 2) for p in r["per_position_acceptance"]))
+        print(
+            f"tau {fmt_number(r['tau'])} over {r['rounds']} rounds (block {r['block_size']}), "
+            f"{fmt_number(r['tokens_per_s'], 1)} tokens/s; per position "
+            + " ".join(fmt_number(p, 2) for p in r["per_position_acceptance"])
+        )
     else:
         paths = write_comparison(reports, out)
         print(render_table(reports))

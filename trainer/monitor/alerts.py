@@ -24,14 +24,21 @@ def _alert(kind: str, level: str, message: str, **extra: Any) -> dict[str, Any]:
     return {"event": "warning", "kind": kind, "level": level, "message": message, **extra}
 
 
-def evaluate(state: RunState, now: float, th: Thresholds, disk: dict[str, Any] | None = None,
-             alive: bool | None = None) -> list[dict[str, Any]]:
+def evaluate(
+    state: RunState, now: float, th: Thresholds, disk: dict[str, Any] | None = None, alive: bool | None = None
+) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     running = state.status == "running"
     if running and alive is False:
-        out.append(_alert("process_gone", "error",
-                          f"trainer process {state.pid} is gone but the run never wrote run_end "
-                          f"(killed? out of memory? node rebooted?); last step {state.step}", pid=state.pid))
+        out.append(
+            _alert(
+                "process_gone",
+                "error",
+                f"trainer process {state.pid} is gone but the run never wrote run_end "
+                f"(killed? out of memory? node rebooted?); last step {state.step}",
+                pid=state.pid,
+            )
+        )
     gap = state.median_gap()
     stalled = False
     if running and alive is not False and gap is not None and state.last_step_time is not None:
@@ -39,9 +46,16 @@ def evaluate(state: RunState, now: float, th: Thresholds, disk: dict[str, Any] |
         limit = max(th.stall_factor * gap, th.stall_min_s)
         if quiet > limit:
             stalled = True
-            out.append(_alert("stall", "error",
-                              f"no step for {quiet:.0f}s ({quiet / gap:.0f}x the median {gap:.1f}s between steps); "
-                              f"last step {state.step}", quiet_s=round(quiet, 1), limit_s=round(limit, 1)))
+            out.append(
+                _alert(
+                    "stall",
+                    "error",
+                    f"no step for {quiet:.0f}s ({quiet / gap:.0f}x the median {gap:.1f}s between steps); "
+                    f"last step {state.step}",
+                    quiet_s=round(quiet, 1),
+                    limit_s=round(limit, 1),
+                )
+            )
     since = state.starts[-1].get("time") or 0 if state.starts else 0
     current = [w for w in state.warnings if (w.get("time") or 0) >= since]
     if running and alive is not False and not stalled:
@@ -49,26 +63,46 @@ def evaluate(state: RunState, now: float, th: Thresholds, disk: dict[str, Any] |
         last_step = state.last_step_time or since
         hung = [w for w in current if w.get("kind") == "stall" and (w.get("time") or 0) > last_step]
         if hung:
-            out.append(_alert("stall", "error", f"trainer watchdog: {hung[-1].get('message') or 'a step is stalled'}"))
+            out.append(
+                _alert(
+                    "stall", "error", f"trainer watchdog: {hung[-1].get('message') or 'a step is stalled'}"
+                )
+            )
     newest: dict[str, dict[str, Any]] = {}
     for w in current:
         if w.get("kind") in TRAINER_KINDS:
             newest[w["kind"]] = w
     for kind, w in newest.items():
-        out.append(_alert("trainer_warning", "warn", f"{kind}: {w.get('message') or kind}", warning_kind=kind))
+        out.append(
+            _alert("trainer_warning", "warn", f"{kind}: {w.get('message') or kind}", warning_kind=kind)
+        )
     if state.nonfinite_steps:
         steps = state.nonfinite_steps
         shown = ", ".join(str(s) for s in steps[-5:])
         level = "error" if steps[-1] >= state.step else "warn"
-        out.append(_alert("nonfinite_loss", level,
-                          f"NaN/inf loss at {len(steps)} step(s) (latest: {shown}); those updates were skipped",
-                          steps=steps[-20:]))
+        out.append(
+            _alert(
+                "nonfinite_loss",
+                level,
+                f"NaN/inf loss at {len(steps)} step(s) (latest: {shown}); those updates were skipped",
+                steps=steps[-20:],
+            )
+        )
     if disk is not None and disk["free_bytes"] < th.disk_min_bytes:
-        out.append(_alert("disk_low", "error",
-                          f"only {disk['free_bytes'] / 2**30:.1f} GiB free on the run dir's disk "
-                          f"(threshold {th.disk_min_bytes / 2**30:.1f} GiB): checkpoints may fail",
-                          free_bytes=disk["free_bytes"]))
+        out.append(
+            _alert(
+                "disk_low",
+                "error",
+                f"only {disk['free_bytes'] / 2**30:.1f} GiB free on the run dir's disk "
+                f"(threshold {th.disk_min_bytes / 2**30:.1f} GiB): checkpoints may fail",
+                free_bytes=disk["free_bytes"],
+            )
+        )
     if state.status == "failed":
         err = (state.end or {}).get("error")
-        out.append(_alert("run_failed", "error", f"the run failed at step {state.step}" + (f": {err}" if err else "")))
+        out.append(
+            _alert(
+                "run_failed", "error", f"the run failed at step {state.step}" + (f": {err}" if err else "")
+            )
+        )
     return out

@@ -7,8 +7,20 @@ import re
 from typing import Any
 
 MASK = "***"
-SECRET_WORDS = {"secret", "token", "password", "passwd", "passphrase", "credential", "credentials", "apikey",
-                "auth", "authorization", "cookie", "signature"}
+SECRET_WORDS = {
+    "secret",
+    "token",
+    "password",
+    "passwd",
+    "passphrase",
+    "credential",
+    "credentials",
+    "apikey",
+    "auth",
+    "authorization",
+    "cookie",
+    "signature",
+}
 SECRET_PAIRS = ("api_key", "access_key", "private_key", "secret_key", "session_key")
 SECRET_TEXT = re.compile(
     r"(AKIA[0-9A-Z]{16}"  # AWS access key id
@@ -23,8 +35,14 @@ SECRET_TEXT = re.compile(
 def redact(value: Any) -> Any:
     """A copy of an event with the values of secret-looking keys masked (recursively)."""
     if isinstance(value, dict):
-        return {k: (MASK if secret_key(k) and v not in (None, "") and not isinstance(v, (dict, list))
-                    else redact(v)) for k, v in value.items()}
+        return {
+            k: (
+                MASK
+                if secret_key(k) and v not in (None, "") and not isinstance(v, (dict, list))
+                else redact(v)
+            )
+            for k, v in value.items()
+        }
     if isinstance(value, list):
         return [redact(v) for v in value]
     if isinstance(value, str):
@@ -42,8 +60,22 @@ def secret_key(key: Any) -> bool:
 
 # Every SECRET_TEXT match contains one of these (lower-cased): a plain substring test first keeps the
 # regex off the ordinary log line, so serving a long log tail stays cheap.
-TRIGGERS = ("akia", "hf_", "ghp_", "gho_", "ghu_", "ghs_", "ghr_", "sk-", "bearer", "secret", "token", "passw",
-            "api_key", "access_key")
+TRIGGERS = (
+    "akia",
+    "hf_",
+    "ghp_",
+    "gho_",
+    "ghu_",
+    "ghs_",
+    "ghr_",
+    "sk-",
+    "bearer",
+    "secret",
+    "token",
+    "passw",
+    "api_key",
+    "access_key",
+)
 
 
 def redact_text(text: str) -> str:

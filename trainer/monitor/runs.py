@@ -112,7 +112,9 @@ class RunMonitor:
         with self.lock:
             return self.log_seq, [line for s, line in self.log_lines if s >= seq]
 
-    def snapshot(self, now: float, system: dict[str, Any] | None, th: alerts_mod.Thresholds) -> dict[str, Any]:
+    def snapshot(
+        self, now: float, system: dict[str, Any] | None, th: alerts_mod.Thresholds
+    ) -> dict[str, Any]:
         with self.lock:
             st = self.state
             started = st.starts[-1].get("time") if st.starts else None
@@ -203,8 +205,13 @@ def find_runs(root: Path, depth: int = 2) -> dict[str, Path]:
 class Hub:
     """Every run under `root`, refreshed by one poller thread; `changed` is notified on news."""
 
-    def __init__(self, root: Path, thresholds: alerts_mod.Thresholds | None = None, poll_s: float = 0.2,
-                 rescan_s: float = 2.0):
+    def __init__(
+        self,
+        root: Path,
+        thresholds: alerts_mod.Thresholds | None = None,
+        poll_s: float = 0.2,
+        rescan_s: float = 2.0,
+    ):
         self.root = Path(root)
         self.thresholds = thresholds or alerts_mod.Thresholds()
         self.poll_s = poll_s
@@ -243,15 +250,24 @@ class Hub:
 
     def default_run(self) -> str:
         """The run to show first: a running one before finished ones, then the one with the newest event."""
-        best = max(self.runs.values(), key=lambda r: (r.state.status == "running", r.state.last_time or 0, r.id))
+        best = max(
+            self.runs.values(), key=lambda r: (r.state.status == "running", r.state.last_time or 0, r.id)
+        )
         return best.id
 
     def run_list(self) -> list[dict[str, Any]]:
         out = []
         for r in sorted(self.runs.values(), key=lambda r: r.id):
             st = r.state
-            out.append({"run": r.id, "status": st.status, "step": st.step, "total_steps": st.total_steps,
-                        "last_event_time": st.last_time})
+            out.append(
+                {
+                    "run": r.id,
+                    "status": st.status,
+                    "step": st.step,
+                    "total_steps": st.total_steps,
+                    "last_event_time": st.last_time,
+                }
+            )
         return out
 
     def snapshot(self, run_id: str) -> dict[str, Any]:

@@ -7,7 +7,6 @@ of discovered runs, never by a path. Light side: no torch."""
 
 from __future__ import annotations
 
-from trainer.errors import DflashError
 import hmac
 import ipaddress
 import json
@@ -22,6 +21,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from trainer.errors import DflashError
 from trainer.events import json_safe
 from trainer.monitor import metrics
 from trainer.monitor.runs import Hub
@@ -33,11 +33,16 @@ LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1", "[::1]"}
 CURVE_KEYS = ("loss", "eal", "lr")
 CURVE_POINTS = 4000  # per curve in a full (init) message: min/max decimated beyond that
 HEARTBEAT_S = 2.0
-TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
-         ".css": "text/css; charset=utf-8", ".svg": "image/svg+xml", ".png": "image/png"}
+TYPES = {
+    ".html": "text/html; charset=utf-8",
+    ".js": "text/javascript; charset=utf-8",
+    ".css": "text/css; charset=utf-8",
+    ".svg": "image/svg+xml",
+    ".png": "image/png",
+}
 SECURITY_HEADERS = {
-    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
-                               "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; "
+    "img-src 'self' data:; connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
     "X-Content-Type-Options": "nosniff",
     "Referrer-Policy": "no-referrer",
     "Cache-Control": "no-store",
@@ -61,14 +66,20 @@ def check_bind(host: str, allow_remote: bool, token: str | None) -> None:
     if token is not None and len(token) < MIN_TOKEN:
         raise MonitorError(f"the token must be at least {MIN_TOKEN} characters (try: openssl rand -hex 16)")
     if token is not None and not TOKEN_CHARS.fullmatch(token):
-        raise MonitorError("the token may hold only letters, digits and . _ ~ + / = - (try: openssl rand -hex 16)")
+        raise MonitorError(
+            "the token may hold only letters, digits and . _ ~ + / = - (try: openssl rand -hex 16)"
+        )
     if is_loopback(host):
         return
     if not allow_remote:
-        raise MonitorError(f"refusing to bind {host}: the monitor listens on 127.0.0.1 only, reach it with "
-                           "`ssh -L 8080:127.0.0.1:8080 NODE`; to expose it anyway pass --allow-remote and a token")
+        raise MonitorError(
+            f"refusing to bind {host}: the monitor listens on 127.0.0.1 only, reach it with "
+            "`ssh -L 8080:127.0.0.1:8080 NODE`; to expose it anyway pass --allow-remote and a token"
+        )
     if token is None:
-        raise MonitorError(f"--allow-remote on {host} needs a token (--token-file FILE or DFLASH_MONITOR_TOKEN)")
+        raise MonitorError(
+            f"--allow-remote on {host} needs a token (--token-file FILE or DFLASH_MONITOR_TOKEN)"
+        )
 
 
 def load_static() -> dict[str, tuple[bytes, str]]:
@@ -93,8 +104,14 @@ class MonitorServer(ThreadingHTTPServer):
     allow_reuse_address = True
     request_queue_size = 64
 
-    def __init__(self, hub: Hub, host: str = "127.0.0.1", port: int = 8080, token: str | None = None,
-                 allow_remote: bool = False):
+    def __init__(
+        self,
+        hub: Hub,
+        host: str = "127.0.0.1",
+        port: int = 8080,
+        token: str | None = None,
+        allow_remote: bool = False,
+    ):
         check_bind(host, allow_remote, token)
         self.hub = hub
         self.token = token
@@ -205,13 +222,17 @@ class Handler(BaseHTTPRequestHandler):
             token = self.server.token
             if token and hmac.compare_digest(query.get("token", [""])[0].encode(), token.encode()):
                 # keep the token out of the address bar and history: a cookie from now on
-                self._send(HTTPStatus.FOUND, b"", "text/plain", {
-                    "Location": "/", "Set-Cookie": f"{COOKIE}={token}; HttpOnly; SameSite=Strict; Path=/"})
+                self._send(
+                    HTTPStatus.FOUND,
+                    b"",
+                    "text/plain",
+                    {"Location": "/", "Set-Cookie": f"{COOKIE}={token}; HttpOnly; SameSite=Strict; Path=/"},
+                )
                 return
             body, ctype = self.server.static["index.html"]
             self._send(200, body, ctype)
         elif path.startswith("/static/"):
-            name = path[len("/static/"):]
+            name = path[len("/static/") :]
             if name not in self.server.static:
                 self._error(HTTPStatus.NOT_FOUND, "no such file")
                 return
@@ -269,19 +290,30 @@ class Handler(BaseHTTPRequestHandler):
                 now_epoch = (run.events.resets, run.state.rewinds)
                 n = len(run.state.steps)
                 if epoch != now_epoch or n < cursor:
-                    msg = {"status": hub.snapshot(rid), "curves": {k: run.state.curve(k, CURVE_POINTS) for k in CURVE_KEYS},
-                           "log": run.log_tail(200), "runs": hub.run_list()}
+                    msg = {
+                        "status": hub.snapshot(rid),
+                        "curves": {k: run.state.curve(k, CURVE_POINTS) for k in CURVE_KEYS},
+                        "log": run.log_tail(200),
+                        "runs": hub.run_list(),
+                    }
                     log_seq = run.log_seq
                     kind = "init"
                     epoch = now_epoch
                 else:
                     log_seq, new_lines = run.log_since(log_seq)
-                    msg = {"status": hub.snapshot(rid), "points": {k: run.state.curve(k, None, cursor) for k in CURVE_KEYS},
-                           "log": new_lines}
+                    msg = {
+                        "status": hub.snapshot(rid),
+                        "points": {k: run.state.curve(k, None, cursor) for k in CURVE_KEYS},
+                        "log": new_lines,
+                    }
                     kind = "update"
                 cursor = n
-            if kind == "init" or msg["log"] or any(msg.get("points", {}).values()) or \
-                    time.monotonic() - last_sent >= HEARTBEAT_S:
+            if (
+                kind == "init"
+                or msg["log"]
+                or any(msg.get("points", {}).values())
+                or time.monotonic() - last_sent >= HEARTBEAT_S
+            ):
                 msg["runs"] = hub.run_list()
                 self.wfile.write(b"event: " + kind.encode() + b"\ndata: " + dumps(msg) + b"\n\n")
                 self.wfile.flush()
@@ -307,8 +339,15 @@ def _int(query: dict[str, list[str]], key: str, default: int) -> int:
         raise ValueError(f"{key} must be an integer, not {raw!r}") from None
 
 
-def serve(run_dir: Path, host: str = "127.0.0.1", port: int = 8080, token: str | None = None,
-          allow_remote: bool = False, thresholds=None, poll_s: float = 0.2) -> None:
+def serve(
+    run_dir: Path,
+    host: str = "127.0.0.1",
+    port: int = 8080,
+    token: str | None = None,
+    allow_remote: bool = False,
+    thresholds=None,
+    poll_s: float = 0.2,
+) -> None:
     hub = Hub(run_dir, thresholds, poll_s=poll_s)
     server = MonitorServer(hub, host, port, token, allow_remote)
     runs = ", ".join(sorted(hub.runs))

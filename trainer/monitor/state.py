@@ -82,10 +82,18 @@ class RunState:
         elif kind == "step":
             self._on_step(ev, t)
         elif kind == "checkpoint":
-            self.checkpoints.append({k: ev.get(k) for k in ("name", "step", "time", "size_bytes", "seconds", "reason")})
+            self.checkpoints.append(
+                {k: ev.get(k) for k in ("name", "step", "time", "size_bytes", "seconds", "reason")}
+            )
             del self.checkpoints[:-1000]
         elif kind == "eval":
-            self.evals.append({k: v for k, v in ev.items() if isinstance(v, (int, float, str)) or k == "per_position_acceptance"})
+            self.evals.append(
+                {
+                    k: v
+                    for k, v in ev.items()
+                    if isinstance(v, (int, float, str)) or k == "per_position_acceptance"
+                }
+            )
             del self.evals[:-1000]
         elif kind == "warning":
             self.warnings.append({k: ev.get(k) for k in ("kind", "message", "step", "time")})
@@ -93,12 +101,17 @@ class RunState:
                 self._nonfinite(int(ev["step"]))
             del self.warnings[:-200]
         elif kind == "run_end":
-            self.end = {k: ev.get(k) for k in ("status", "step", "tokens", "time", "wall_s", "error", "signal", "last_checkpoint")}
+            self.end = {
+                k: ev.get(k)
+                for k in ("status", "step", "tokens", "time", "wall_s", "error", "signal", "last_checkpoint")
+            }
 
     def _on_start(self, ev: dict[str, Any]) -> None:
         totals = ev.get("totals") or {}
-        self.starts.append({k: ev.get(k) for k in ("time", "resumed_from", "start_step", "tokens", "layout", "pid")}
-                           | {"data": totals.get("data")})
+        self.starts.append(
+            {k: ev.get(k) for k in ("time", "resumed_from", "start_step", "tokens", "layout", "pid")}
+            | {"data": totals.get("data")}
+        )
         self.config = ev.get("config")
         self.total_steps = totals.get("total_steps", self.total_steps)
         self.total_tokens = totals.get("total_tokens", self.total_tokens)

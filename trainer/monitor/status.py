@@ -17,8 +17,14 @@ from trainer.monitor.alerts import Thresholds
 from trainer.monitor.runs import Hub
 from trainer.monitor.server import dumps
 
-STATUS_STYLE = {"running": "bold blue", "completed": "bold green", "stopped": "bold yellow",
-                "failed": "bold red", "refused": "bold red", "waiting": "dim"}
+STATUS_STYLE = {
+    "running": "bold blue",
+    "completed": "bold green",
+    "stopped": "bold yellow",
+    "failed": "bold red",
+    "refused": "bold red",
+    "waiting": "dim",
+}
 
 
 def _dur(s: float | None) -> str:
@@ -62,41 +68,76 @@ def render(s: dict[str, Any], runs: list[dict[str, Any]] | None = None):
     prog.add_column()
     total = s["total_steps"]
     step_txt = f"step {s['step']:,}" + (f" / {total:,}  ({100 * s['progress']:.1f}%)" if total else "")
-    prog.add_row("progress", Group(Text(step_txt), ProgressBar(total=float(total or 1), completed=float(s["step"]), width=50)))
+    prog.add_row(
+        "progress",
+        Group(Text(step_txt), ProgressBar(total=float(total or 1), completed=float(s["step"]), width=50)),
+    )
     tok = f"{s['tokens']:,}" + (f" / {s['total_tokens']:,} budget" if s["total_tokens"] else "")
     prog.add_row("tokens", tok)
     eta = "done" if s["finished"] else _dur(s["eta_s"])
     tps = "-" if s["tokens_per_s"] is None else f"{s['tokens_per_s']:,.0f}"
-    prog.add_row("time", f"elapsed {_dur(s['elapsed_s'])}   ETA {eta}   {tps} tokens/s   "
-                         f"{_num(s['seconds_per_step'], 2)} s/step")
-    prog.add_row("last step", f"loss {_num(s['loss'])}   eal {_num(s['eal'], 3)}   lr {_num(s['lr'])}   "
-                              f"grad norm {_num(s['grad_norm'], 3)}")
+    prog.add_row(
+        "time",
+        f"elapsed {_dur(s['elapsed_s'])}   ETA {eta}   {tps} tokens/s   "
+        f"{_num(s['seconds_per_step'], 2)} s/step",
+    )
+    prog.add_row(
+        "last step",
+        f"loss {_num(s['loss'])}   eal {_num(s['eal'], 3)}   lr {_num(s['lr'])}   "
+        f"grad norm {_num(s['grad_norm'], 3)}",
+    )
     acc = s.get("position_acc") or []
     if acc:
-        prog.add_row("accuracy", "  ".join(f"{k + 1}:{_num(a, 2)}" for k, a in enumerate(acc)) + "   (by draft position)")
+        prog.add_row(
+            "accuracy",
+            "  ".join(f"{k + 1}:{_num(a, 2)}" for k, a in enumerate(acc)) + "   (by draft position)",
+        )
     c = s["last_checkpoint"]
-    ckpt = "-" if not c else (f"{c['name']}  {_bytes(c.get('size_bytes'))}  "
-                              f"{_dur(s['now'] - c['time']) + ' ago' if c.get('time') else ''}  ({s['checkpoints']} written)")
+    ckpt = (
+        "-"
+        if not c
+        else (
+            f"{c['name']}  {_bytes(c.get('size_bytes'))}  "
+            f"{_dur(s['now'] - c['time']) + ' ago' if c.get('time') else ''}  ({s['checkpoints']} written)"
+        )
+    )
     prog.add_row("checkpoint", ckpt)
     if s["last_eval"]:
-        prog.add_row("eval", f"tau {_num(s['last_eval'].get('tau'), 3)} at step {s['last_eval'].get('step', '-')}")
+        prog.add_row(
+            "eval", f"tau {_num(s['last_eval'].get('tau'), 3)} at step {s['last_eval'].get('step', '-')}"
+        )
     sysinfo = s.get("system") or {}
     if sysinfo.get("gpus"):
         for g in sysinfo["gpus"]:
-            prog.add_row(f"GPU {g['index']}", f"{g['name']}  util {g['util_percent']}%  "
-                                              f"mem {_bytes(g['mem_used_bytes'])} / {_bytes(g['mem_total_bytes'])}")
+            prog.add_row(
+                f"GPU {g['index']}",
+                f"{g['name']}  util {g['util_percent']}%  "
+                f"mem {_bytes(g['mem_used_bytes'])} / {_bytes(g['mem_total_bytes'])}",
+            )
     elif sysinfo:
-        prog.add_row("machine", f"CPU {sysinfo.get('cpu_percent', 0):.0f}% of {sysinfo.get('cpu_count')}   "
-                                f"RAM {_bytes(sysinfo.get('ram_used_bytes'))} / {_bytes(sysinfo.get('ram_total_bytes'))}   (no GPU seen)")
+        prog.add_row(
+            "machine",
+            f"CPU {sysinfo.get('cpu_percent', 0):.0f}% of {sysinfo.get('cpu_count')}   "
+            f"RAM {_bytes(sysinfo.get('ram_used_bytes'))} / {_bytes(sysinfo.get('ram_total_bytes'))}   (no "
+            "GPU seen)",
+        )
     if s["disk"]:
         prog.add_row("disk", f"{_bytes(s['disk']['free_bytes'])} free of {_bytes(s['disk']['total_bytes'])}")
     if s.get("summary"):
         sm = s["summary"]
-        prog.add_row("summary", f"loss {_num(sm['loss_first'])} -> {_num(sm['loss_last'])}   "
-                                f"eal {_num(sm['eal_first'], 3)} -> {_num(sm['eal_last'], 3)}   wall {_dur(sm['wall_s'])}")
+        prog.add_row(
+            "summary",
+            f"loss {_num(sm['loss_first'])} -> {_num(sm['loss_last'])}   "
+            f"eal {_num(sm['eal_first'], 3)} -> {_num(sm['eal_last'], 3)}   wall {_dur(sm['wall_s'])}",
+        )
     parts: list[Any] = [head, prog]
     for a in s["alerts"]:
-        parts.append(Text(f"ALERT {a['kind']}: {a['message']}", style="bold red" if a["level"] == "error" else "bold yellow"))
+        parts.append(
+            Text(
+                f"ALERT {a['kind']}: {a['message']}",
+                style="bold red" if a["level"] == "error" else "bold yellow",
+            )
+        )
     for w in s["warnings"][-3:]:
         parts.append(Text(f"trainer warning: {w.get('message') or w.get('kind')}", style="yellow"))
     if runs and len(runs) > 1:
@@ -104,14 +145,25 @@ def render(s: dict[str, Any], runs: list[dict[str, Any]] | None = None):
         for col in ("run", "status", "step"):
             others.add_column(col)
         for r in runs:
-            others.add_row(r["run"], r["status"], f"{r['step']}/{r['total_steps'] or '-'}",
-                           style="bold" if r["run"] == s["run"] else None)
+            others.add_row(
+                r["run"],
+                r["status"],
+                f"{r['step']}/{r['total_steps'] or '-'}",
+                style="bold" if r["run"] == s["run"] else None,
+            )
         parts.append(others)
     return Panel(Group(*parts), title="dflash status", title_align="left", border_style="blue")
 
 
-def status(run_dir: Path, run: str | None = None, watch: bool = False, interval: float = 2.0,
-           as_json: bool = False, console: Console | None = None, thresholds: Thresholds | None = None) -> int:
+def status(
+    run_dir: Path,
+    run: str | None = None,
+    watch: bool = False,
+    interval: float = 2.0,
+    as_json: bool = False,
+    console: Console | None = None,
+    thresholds: Thresholds | None = None,
+) -> int:
     hub = Hub(Path(run_dir), thresholds)
     hub.refresh()
     if run is not None and run not in hub.runs:
@@ -141,4 +193,3 @@ def status(run_dir: Path, run: str | None = None, watch: bool = False, interval:
     except KeyboardInterrupt:
         pass
     return 0
-

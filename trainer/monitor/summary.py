@@ -19,24 +19,35 @@ def summarize(run_dir: Path) -> dict[str, Any]:
 
 def render_summary(run_dir: Path) -> str:
     s = summarize(run_dir)
-    f = lambda v, p=4: "-" if v is None else (f"{v:.{p}f}" if isinstance(v, float) else str(v))
+
+    def f(v, p=4):
+        return "-" if v is None else (f"{v:.{p}f}" if isinstance(v, float) else str(v))
+
     pos = " ".join(f(a, 2) for a in (s["position_acc_last"] or []))
     lines = [
         f"run      {s['run_dir']}  [{s['status']}]",
         f"progress step {s['step']}/{f(s['total_steps'])}  tokens {s['tokens']:,}  ({s['starts']} start(s)"
-        + (f", resumed from {', '.join(s['resumed_from'])}" if s["resumed_from"] else "") + ")",
+        + (f", resumed from {', '.join(s['resumed_from'])}" if s["resumed_from"] else "")
+        + ")",
         f"loss     {f(s['loss_first'])} -> {f(s['loss_last'])}",
         f"eal      {f(s['eal_first'], 3)} -> {f(s['eal_last'], 3)}   (training-time estimate of tau)",
         f"accuracy by draft position (last step): {pos or '-'}",
         f"speed    {f(s['tokens_per_s'], 0)} tokens/s",
         f"ckpt     {s['last_checkpoint'] or '-'}  ({len(s['checkpoints'])} written)",
-        "eval     " + ("-  (no `dflash eval` of this run's checkpoints yet)" if s["last_eval_tau"] is None else
-                       f"tau {s['last_eval_tau']:.3f} at step {f(s['last_eval_step'])} (dflash eval, {s['evals']} in all)"),
+        "eval     "
+        + (
+            "-  (no `dflash eval` of this run's checkpoints yet)"
+            if s["last_eval_tau"] is None
+            else f"tau {s['last_eval_tau']:.3f} at step {f(s['last_eval_step'])} (dflash eval, {s['evals']} "
+            "in all)"
+        ),
     ]
     if s.get("layout"):
         lay = s["layout"]
-        lines.append(f"layout   world {lay.get('world_size')} on {lay.get('device')}, aux ids {lay.get('aux_ids')} "
-                     f"of {lay.get('target_layers')} target layers, {lay.get('precision')}")
+        lines.append(
+            f"layout   world {lay.get('world_size')} on {lay.get('device')}, aux ids {lay.get('aux_ids')} "
+            f"of {lay.get('target_layers')} target layers, {lay.get('precision')}"
+        )
     for w in s["warnings"]:
         lines.append(f"WARNING  {w}")
     return "\n".join(lines)

@@ -32,15 +32,17 @@ def parse_nvidia_smi(text: str) -> list[dict[str, Any]]:
         if len(cells) < 5:
             continue
         util, used, total = number(cells[2]), number(cells[3]), number(cells[4])
-        gpus.append({
-            "index": int(number(cells[0]) or 0),
-            "name": cells[1],
-            "util_percent": util,
-            "mem_used_bytes": None if used is None else int(used * 2**20),
-            "mem_total_bytes": None if total is None else int(total * 2**20),
-            "temp_c": number(cells[5]) if len(cells) > 5 else None,
-            "power_w": number(cells[6]) if len(cells) > 6 else None,
-        })
+        gpus.append(
+            {
+                "index": int(number(cells[0]) or 0),
+                "name": cells[1],
+                "util_percent": util,
+                "mem_used_bytes": None if used is None else int(used * 2**20),
+                "mem_total_bytes": None if total is None else int(total * 2**20),
+                "temp_c": number(cells[5]) if len(cells) > 5 else None,
+                "power_w": number(cells[6]) if len(cells) > 6 else None,
+            }
+        )
     return gpus
 
 
@@ -50,8 +52,13 @@ def query_gpus(timeout: float = 3.0) -> list[dict[str, Any]] | None:
     if exe is None:
         return None
     try:
-        res = subprocess.run([exe, f"--query-gpu={GPU_QUERY}", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=timeout, check=False)
+        res = subprocess.run(
+            [exe, f"--query-gpu={GPU_QUERY}", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     return parse_nvidia_smi(res.stdout) if res.returncode == 0 else None

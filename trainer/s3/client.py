@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer.fsutil import sha256_file
 from trainer.s3 import S3Error
 
 MiB = 2**20
@@ -84,7 +83,9 @@ def add_content_md5(params: dict[str, Any], **_kwargs: Any) -> None:
     headers["Content-MD5"] = base64.b64encode(md5.digest()).decode("ascii")
 
 
-def make_client(endpoint_url: str | None = None, max_pool: int = 16, retries: int = 3, timeout_s: float = 20.0):
+def make_client(
+    endpoint_url: str | None = None, max_pool: int = 16, retries: int = 3, timeout_s: float = 20.0
+):
     """A boto3 S3 client from the standard credential chain, with Content-MD5 on every upload request.
 
     Raises S3Error (before any work) when no credentials are configured."""
@@ -122,9 +123,13 @@ def check_bucket(client, loc: S3Location) -> None:
         client.head_bucket(Bucket=loc.bucket)
     except ClientError as exc:
         code = exc.response.get("Error", {}).get("Code", "?")
-        raise S3Error(f"bucket {loc.bucket!r} is not usable (HeadBucket: {code}); create it or fix --s3") from None
+        raise S3Error(
+            f"bucket {loc.bucket!r} is not usable (HeadBucket: {code}); create it or fix --s3"
+        ) from None
     except BotoCoreError as exc:
-        raise S3Error(f"S3 endpoint unreachable for bucket {loc.bucket!r}: {type(exc).__name__}: {exc}") from None
+        raise S3Error(
+            f"S3 endpoint unreachable for bucket {loc.bucket!r}: {type(exc).__name__}: {exc}"
+        ) from None
 
 
 def head(client, bucket: str, key: str) -> dict[str, Any] | None:
@@ -184,7 +189,9 @@ class Progress:
         if self.enabled and sys.stderr.isatty():
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=label, file=sys.stderr)
+            self._bar = tqdm(
+                total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=label, file=sys.stderr
+            )
 
     def __call__(self, n: int) -> None:
         if not self.enabled:
@@ -197,8 +204,12 @@ class Progress:
             now = time.monotonic()
             if now - self._last >= 5 or self.done >= self.total:
                 self._last = now
-                print(f"{self.label}: {self.done / MiB:.1f}/{self.total / MiB:.1f} MiB "
-                      f"({100 * self.done / self.total:.0f}%)", file=sys.stderr, flush=True)
+                print(
+                    f"{self.label}: {self.done / MiB:.1f}/{self.total / MiB:.1f} MiB "
+                    f"({100 * self.done / self.total:.0f}%)",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
     def close(self) -> None:
         if self._bar is not None:
@@ -208,7 +219,9 @@ class Progress:
 # ---------------------------------------------------------------- read back
 
 
-def read_back(client, bucket: str, key: str, save_to: Path | None = None, on_bytes: Callable[[int], None] | None = None) -> tuple[str, int, dict[str, str]]:
+def read_back(
+    client, bucket: str, key: str, save_to: Path | None = None, on_bytes: Callable[[int], None] | None = None
+) -> tuple[str, int, dict[str, str]]:
     """(sha256, size, metadata) of an object, streamed; with `save_to`, also written there (temp +
     rename)."""
     obj = client.get_object(Bucket=bucket, Key=key)

@@ -61,7 +61,9 @@ class _Throttle:
             time.sleep(ahead)
 
 
-def _object_sizes(client, loc, rels: list[str], locations: dict[str, str]) -> dict[str, tuple[str, str, int | None]]:
+def _object_sizes(
+    client, loc, rels: list[str], locations: dict[str, str]
+) -> dict[str, tuple[str, str, int | None]]:
     """rel -> (bucket, key, size in S3 or None when absent): one listing for the prefix, a HEAD for
     files a salvage set references elsewhere."""
     listed = {o["Key"]: o["Size"] for o in s3lib.list_objects(client, loc)}
@@ -90,15 +92,21 @@ def _local_state(path: Path, entry: dict[str, Any]) -> str:
     return "same" if sha256_file(path) == entry["sha256"] else "differs"
 
 
-def _fetch(client, bucket: str, key: str, entry: dict[str, Any], part: Path, throttle: _Throttle,
-           bar: s3lib.Progress) -> dict[str, Any]:
+def _fetch(
+    client, bucket: str, key: str, entry: dict[str, Any], part: Path, throttle: _Throttle, bar: s3lib.Progress
+) -> dict[str, Any]:
     """Download one object into `part` (resuming a partial of the same ETag); returns what moved and
     the sha256 of the whole file."""
     tag_file = part.with_name(part.name + ".etag")
     part.parent.mkdir(parents=True, exist_ok=True)
     etag = client.head_object(Bucket=bucket, Key=key)["ETag"]
     offset = 0
-    if part.is_file() and tag_file.is_file() and tag_file.read_text() == etag and part.stat().st_size <= entry["size"]:
+    if (
+        part.is_file()
+        and tag_file.is_file()
+        and tag_file.read_text() == etag
+        and part.stat().st_size <= entry["size"]
+    ):
         offset = part.stat().st_size
     else:
         part.unlink(missing_ok=True)
@@ -144,8 +152,16 @@ def _place_link(target: Path, to: str) -> bool:
     return True
 
 
-def pull(url: str, dest: Path, endpoint_url: str | None = None, check: bool = False, workers: int = 4,
-         bwlimit_kbps: int = 0, progress: bool = True, client=None) -> dict[str, Any]:
+def pull(
+    url: str,
+    dest: Path,
+    endpoint_url: str | None = None,
+    check: bool = False,
+    workers: int = 4,
+    bwlimit_kbps: int = 0,
+    progress: bool = True,
+    client=None,
+) -> dict[str, Any]:
     """Copy s3://BUCKET/PREFIX (which has a MANIFEST.json) into `dest`, resumable, every file proven.
     Returns the report (`ok` false when a file could not be proven); raises S3Error on bad input
     before anything is written."""
@@ -160,8 +176,10 @@ def pull(url: str, dest: Path, endpoint_url: str | None = None, check: bool = Fa
     raw = s3lib.get_json(client, loc.bucket, loc.key(MANIFEST_NAME))
     if raw is None:
         raise S3Error(
-            f"{loc.url(MANIFEST_NAME)} does not exist, so nothing there can be proven: upload the folder with "
-            f"`dflash s3 push DIR {loc.url()}` (it writes the manifest), or pull a salvage set's prefix")
+            f"{loc.url(MANIFEST_NAME)} does not exist, so nothing there can be proven: upload the folder "
+            "with "
+            f"`dflash s3 push DIR {loc.url()}` (it writes the manifest), or pull a salvage set's prefix"
+        )
     try:
         manifest = check_manifest(raw, loc.url(MANIFEST_NAME))
     except ManifestError as exc:
@@ -169,11 +187,16 @@ def pull(url: str, dest: Path, endpoint_url: str | None = None, check: bool = Fa
     files = {r: e for r, e in manifest["files"].items() if "sha256" in e}
     links = {r: e["symlink"] for r, e in manifest["files"].items() if "symlink" in e}
     objects = _object_sizes(client, loc, sorted(files), manifest.get("locations", {}))
-    broken = [f"{rel}: {_why_object(size, files[rel]['size'])} (s3://{b}/{k})"
-              for rel, (b, k, size) in objects.items() if size != files[rel]["size"]]
+    broken = [
+        f"{rel}: {_why_object(size, files[rel]['size'])} (s3://{b}/{k})"
+        for rel, (b, k, size) in objects.items()
+        if size != files[rel]["size"]
+    ]
     if broken:
-        raise S3Error(f"{len(broken)} object(s) under {loc.url()} do not match its manifest, so the copy "
-                           "there is incomplete; nothing was downloaded: " + "; ".join(broken[:20]))
+        raise S3Error(
+            f"{len(broken)} object(s) under {loc.url()} do not match its manifest, so the copy "
+            "there is incomplete; nothing was downloaded: " + "; ".join(broken[:20])
+        )
 
     t0 = time.monotonic()
     with ThreadPoolExecutor(max(1, min(4, workers))) as pool:  # hashing what is already there
@@ -185,17 +208,35 @@ def pull(url: str, dest: Path, endpoint_url: str | None = None, check: bool = Fa
     free_at = dest if dest.exists() else next(p for p in dest.parents if p.exists())
     free = shutil.disk_usage(free_at).free
     report: dict[str, Any] = {
-        "s3": loc.url(), "dest": str(dest), "check": check, "files": len(files), "links": len(links),
+        "s3": loc.url(),
+        "dest": str(dest),
+        "check": check,
+        "files": len(files),
+        "links": len(links),
         "bytes": sum(e["size"] for e in files.values()),
-        "present": len(files) - len(todo), "to_download": len(todo), "to_download_bytes": need,
-        "plan": [{"path": r, "why": states[r], "size": files[r]["size"], "partial_bytes": have.get(r, 0)} for r in todo],
+        "present": len(files) - len(todo),
+        "to_download": len(todo),
+        "to_download_bytes": need,
+        "plan": [
+            {"path": r, "why": states[r], "size": files[r]["size"], "partial_bytes": have.get(r, 0)}
+            for r in todo
+        ],
     }
     if need > free:
-        raise S3Error(f"{dest}: {need / 2**30:.2f} GiB to download but only {free / 2**30:.2f} GiB free on "
-                           f"{free_at}; nothing was downloaded")
+        raise S3Error(
+            f"{dest}: {need / 2**30:.2f} GiB to download but only {free / 2**30:.2f} GiB free on "
+            f"{free_at}; nothing was downloaded"
+        )
     if check:
-        report.update(downloaded=0, downloaded_bytes=0, resumed_bytes=0, failed=[], links_placed=0, ok=True,
-                      seconds=round(time.monotonic() - t0, 3))
+        report.update(
+            downloaded=0,
+            downloaded_bytes=0,
+            resumed_bytes=0,
+            failed=[],
+            links_placed=0,
+            ok=True,
+            seconds=round(time.monotonic() - t0, 3),
+        )
         return report
 
     dest.mkdir(parents=True, exist_ok=True)
@@ -218,8 +259,11 @@ def pull(url: str, dest: Path, endpoint_url: str | None = None, check: bool = Fa
                     return res
                 part.unlink(missing_ok=True)  # a bad partial (or a bad transfer): once more from the start
                 part.with_name(part.name + ".etag").unlink(missing_ok=True)
-            res.update(ok=False, error=f"sha256 {got['sha256'][:12]}... after two downloads, the manifest says "
-                                       f"{entry['sha256'][:12]}... (the object does not hold the bytes its manifest names)")
+            res.update(
+                ok=False,
+                error=f"sha256 {got['sha256'][:12]}... after two downloads, the manifest says "
+                f"{entry['sha256'][:12]}... (the object does not hold the bytes its manifest names)",
+            )
         except Exception as exc:  # noqa: BLE001 - one failed object must not hide the others' results
             res.update(ok=False, error=f"{type(exc).__name__}: {exc}")
         return res
@@ -235,10 +279,15 @@ def pull(url: str, dest: Path, endpoint_url: str | None = None, check: bool = Fa
         atomic_write_text(manifest_beside(dest), _manifest_text(manifest))
     local, local_links = scan(dest)
     report.update(
-        downloaded=sum(r["ok"] for r in results), downloaded_bytes=sum(r["bytes"] for r in results),
-        resumed_bytes=sum(r["resumed_from"] for r in results), failed=failed, links_placed=placed_links,
+        downloaded=sum(r["ok"] for r in results),
+        downloaded_bytes=sum(r["bytes"] for r in results),
+        resumed_bytes=sum(r["resumed_from"] for r in results),
+        failed=failed,
+        links_placed=placed_links,
         extra=sorted(set(local) - set(files)) + sorted(set(local_links) - set(links)),
-        manifest=str(manifest_beside(dest)) if not failed else None, ok=not failed, seconds=round(time.monotonic() - t0, 3),
+        manifest=str(manifest_beside(dest)) if not failed else None,
+        ok=not failed,
+        seconds=round(time.monotonic() - t0, 3),
     )
     return report
 

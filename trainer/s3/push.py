@@ -47,7 +47,9 @@ from trainer.s3.client import (
 # ---------------------------------------------------------------- push
 
 
-def _plan(client, loc: S3Location, manifest: dict[str, Any], references: dict[str, str]) -> list[dict[str, Any]]:
+def _plan(
+    client, loc: S3Location, manifest: dict[str, Any], references: dict[str, str]
+) -> list[dict[str, Any]]:
     """Per file: upload, skip (same sha256 at the key) or reference (same sha256 elsewhere)."""
     from concurrent.futures import ThreadPoolExecutor
 
@@ -61,12 +63,28 @@ def _plan(client, loc: S3Location, manifest: dict[str, Any], references: dict[st
         h = head(client, loc.bucket, key) if present.get(key) == entry["size"] else None
         if h is None and key in present:
             h = {"Metadata": {}, "ContentLength": present[key]}  # there, but with another size
-        if h is not None and h.get("Metadata", {}).get(SHA_META) == entry["sha256"] and h["ContentLength"] == entry["size"]:
-            return {"path": rel, "key": key, "size": entry["size"], "action": "skip", "why": "same sha256 already at the key"}
+        if (
+            h is not None
+            and h.get("Metadata", {}).get(SHA_META) == entry["sha256"]
+            and h["ContentLength"] == entry["size"]
+        ):
+            return {
+                "path": rel,
+                "key": key,
+                "size": entry["size"],
+                "action": "skip",
+                "why": "same sha256 already at the key",
+            }
         ref = references.get(entry["sha256"])
         if ref is not None:
-            return {"path": rel, "key": key, "size": entry["size"], "action": "reference", "location": ref,
-                    "why": "an object with the same sha256 already lives in S3"}
+            return {
+                "path": rel,
+                "key": key,
+                "size": entry["size"],
+                "action": "reference",
+                "location": ref,
+                "why": "an object with the same sha256 already lives in S3",
+            }
         why = "absent" if h is None else "differs (sha256 metadata or size)"
         return {"path": rel, "key": key, "size": entry["size"], "action": "upload", "why": why}
 
@@ -82,7 +100,9 @@ def load_references(client, urls: list[str]) -> dict[str, str]:
         loc = parse_s3_url(url)
         manifest = get_json(client, loc.bucket, loc.key(MANIFEST_NAME))
         if manifest is None:
-            raise S3Error(f"--reference {url}: no {MANIFEST_NAME} there (only salvage sets can be referenced)")
+            raise S3Error(
+                f"--reference {url}: no {MANIFEST_NAME} there (only salvage sets can be referenced)"
+            )
         locations = manifest.get("locations", {})
         for rel, entry in manifest.get("files", {}).items():
             if "sha256" not in entry or entry["sha256"] in found:
@@ -149,7 +169,8 @@ def push(
     stale = stale_files(set_dir, manifest)
     if stale:
         raise S3Error(
-            f"{len(stale)} file(s) of {set_dir} differ from {mpath.name}: " + "; ".join(stale[:20])
+            f"{len(stale)} file(s) of {set_dir} differ from {mpath.name}: "
+            + "; ".join(stale[:20])
             + f" -- {remake_hint} (or restore the files) before pushing"
         )
     client = client or make_client(endpoint_url, max_pool=max(16, workers * 2))
@@ -159,18 +180,26 @@ def push(
     plan = _plan(client, loc, manifest, refs)
     todo = [p for p in plan if p["action"] == "upload"]
     report: dict[str, Any] = {
-        "s3": loc.url(), "endpoint_url": endpoint_url, "check": check,
-        "files": len(plan), "bytes": sum(p["size"] for p in plan),
-        "to_upload": len(todo), "to_upload_bytes": sum(p["size"] for p in todo),
+        "s3": loc.url(),
+        "endpoint_url": endpoint_url,
+        "check": check,
+        "files": len(plan),
+        "bytes": sum(p["size"] for p in plan),
+        "to_upload": len(todo),
+        "to_upload_bytes": sum(p["size"] for p in todo),
         "skipped": sum(p["action"] == "skip" for p in plan),
-        "referenced": [{"path": p["path"], "location": p["location"]} for p in plan if p["action"] == "reference"],
+        "referenced": [
+            {"path": p["path"], "location": p["location"]} for p in plan if p["action"] == "reference"
+        ],
         "plan": plan,
     }
     if check:
         report.update(uploaded=0, uploaded_bytes=0, failed=[], ok=True)
         return report
     report["aborted_stale_uploads"] = abort_stale_uploads(client, loc)
-    failed = _upload_all(client, loc, set_dir, manifest, todo, workers, chunk_bytes, threshold_bytes, progress)
+    failed = _upload_all(
+        client, loc, set_dir, manifest, todo, workers, chunk_bytes, threshold_bytes, progress
+    )
     report["failed"] = failed
     report["uploaded"] = len(todo) - len(failed)
     report["uploaded_bytes"] = sum(p["size"] for p in todo if p["path"] not in {f["path"] for f in failed})
@@ -187,20 +216,33 @@ def push(
             digest = hashlib.sha256(body).hexdigest()
             h = head(client, loc.bucket, loc.key(MANIFEST_NAME))
             if h is None or h.get("Metadata", {}).get(SHA_META) != digest:
-                client.put_object(Bucket=loc.bucket, Key=loc.key(MANIFEST_NAME), Body=body,
-                                  Metadata={SHA_META: digest}, ContentType="application/json")
+                client.put_object(
+                    Bucket=loc.bucket,
+                    Key=loc.key(MANIFEST_NAME),
+                    Body=body,
+                    Metadata={SHA_META: digest},
+                    ContentType="application/json",
+                )
                 report["manifest_uploaded_bytes"] = len(body)
             else:
                 report["manifest_uploaded_bytes"] = 0
             report["manifest_key"] = loc.key(MANIFEST_NAME)
         except Exception as exc:  # noqa: BLE001 - the endpoint died between the last object and the manifest
-            failed.append({"path": MANIFEST_NAME, "key": loc.key(MANIFEST_NAME), "error": f"{type(exc).__name__}: {exc}"})
+            failed.append(
+                {
+                    "path": MANIFEST_NAME,
+                    "key": loc.key(MANIFEST_NAME),
+                    "error": f"{type(exc).__name__}: {exc}",
+                }
+            )
     report["seconds"] = round(time.monotonic() - t0, 3)
     report["ok"] = not failed
     return report
 
 
-def _push_records(client, loc: S3Location, set_dir: Path, names: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+def _push_records(
+    client, loc: S3Location, set_dir: Path, names: tuple[str, ...]
+) -> dict[str, dict[str, Any]]:
     """NOTES.md and the JSON report: small, uploaded whole with Content-MD5 and sha256 metadata,
     skipped when the object already has the same sha256."""
     out = {}
@@ -214,12 +256,20 @@ def _push_records(client, loc: S3Location, set_dir: Path, names: tuple[str, ...]
         same = h is not None and h.get("Metadata", {}).get(SHA_META) == digest
         if not same:
             ctype = "text/markdown" if name.endswith(".md") else "application/json"
-            client.put_object(Bucket=loc.bucket, Key=loc.key(name), Body=body, Metadata={SHA_META: digest}, ContentType=ctype)
+            client.put_object(
+                Bucket=loc.bucket,
+                Key=loc.key(name),
+                Body=body,
+                Metadata={SHA_META: digest},
+                ContentType=ctype,
+            )
         out[name] = {"size": len(body), "sha256": digest, "uploaded": not same}
     return out
 
 
-def _upload_all(client, loc, set_dir, manifest, todo, workers, chunk_bytes, threshold_bytes, progress) -> list[dict[str, str]]:
+def _upload_all(
+    client, loc, set_dir, manifest, todo, workers, chunk_bytes, threshold_bytes, progress
+) -> list[dict[str, str]]:
     from boto3.s3.transfer import TransferConfig
     from s3transfer.manager import TransferManager
     from s3transfer.subscribers import BaseSubscriber
@@ -230,14 +280,20 @@ def _upload_all(client, loc, set_dir, manifest, todo, workers, chunk_bytes, thre
         def on_progress(self, future, bytes_transferred, **kwargs):
             bar(bytes_transferred)
 
-    config = TransferConfig(multipart_threshold=threshold_bytes, multipart_chunksize=chunk_bytes,
-                            max_concurrency=workers, use_threads=True)
+    config = TransferConfig(
+        multipart_threshold=threshold_bytes,
+        multipart_chunksize=chunk_bytes,
+        max_concurrency=workers,
+        use_threads=True,
+    )
     failed = []
     with TransferManager(client, config) as tm:
         futures = []
         for p in todo:
             extra = {"Metadata": {SHA_META: manifest["files"][p["path"]]["sha256"]}}
-            fut = tm.upload(str(set_dir / p["path"]), loc.bucket, p["key"], extra_args=extra, subscribers=[_Bytes()])
+            fut = tm.upload(
+                str(set_dir / p["path"]), loc.bucket, p["key"], extra_args=extra, subscribers=[_Bytes()]
+            )
             futures.append((p, fut))
         for p, fut in futures:
             try:
@@ -248,8 +304,16 @@ def _upload_all(client, loc, set_dir, manifest, todo, workers, chunk_bytes, thre
     return failed
 
 
-def push_folder(folder: Path, url: str, endpoint_url: str | None = None, check: bool = False,
-                exclude: tuple[str, ...] = (), workers: int = 8, progress: bool = True, client=None) -> dict[str, Any]:
+def push_folder(
+    folder: Path,
+    url: str,
+    endpoint_url: str | None = None,
+    check: bool = False,
+    exclude: tuple[str, ...] = (),
+    workers: int = 8,
+    progress: bool = True,
+    client=None,
+) -> dict[str, Any]:
     """`dflash s3 push DIR URL`: DIR's manifest written beside it (`DIR.manifest.json`, digests of
     unchanged files reused), then `push` (a dataset is uploaded once from wherever it was tokenized)."""
     from trainer.manifest import ManifestError, create_manifest, load_manifest
@@ -264,7 +328,16 @@ def push_folder(folder: Path, url: str, endpoint_url: str | None = None, check: 
     except ManifestError:
         old = None  # a broken old manifest is simply rebuilt
     create_manifest(folder, mpath, exclude=tuple(exclude), reuse=old, source=str(folder.resolve()))
-    report = push(folder, url, endpoint_url=endpoint_url, check=check, workers=workers, progress=progress,
-                        client=client, manifest_path=mpath, remake_hint="re-run `dflash s3 push`")
+    report = push(
+        folder,
+        url,
+        endpoint_url=endpoint_url,
+        check=check,
+        workers=workers,
+        progress=progress,
+        client=client,
+        manifest_path=mpath,
+        remake_hint="re-run `dflash s3 push`",
+    )
     report["manifest"] = str(mpath)
     return report

@@ -78,7 +78,13 @@ class Selection:
                 if skip is not None and skip(p):
                     continue
                 if not p.is_file():
-                    self.not_moved.append({"path": str(p), "bytes": 0, "why": "not a regular file (socket, fifo or dangling link)"})
+                    self.not_moved.append(
+                        {
+                            "path": str(p),
+                            "bytes": 0,
+                            "why": "not a regular file (socket, fifo or dangling link)",
+                        }
+                    )
                     continue
                 rel = f"{rel_root}/{name}" if rel_dir == "." else f"{rel_root}/{rel_dir}/{name}"
                 self.items.append(Item(p, rel, p.stat().st_size, kind, link_ok))
@@ -94,7 +100,9 @@ def best_by_tau(events: list[dict[str, Any]]) -> str | None:
         if ev.get("event") != "eval":
             continue
         tau = ev.get("tau")
-        name = ev.get("checkpoint") or (ckpt.checkpoint_name(ev["step"]) if isinstance(ev.get("step"), int) else None)
+        name = ev.get("checkpoint") or (
+            ckpt.checkpoint_name(ev["step"]) if isinstance(ev.get("step"), int) else None
+        )
         if isinstance(tau, (int, float)) and name and (best is None or tau > best[0]):
             best = (float(tau), Path(str(name)).name)
     return best[1] if best else None
@@ -150,20 +158,43 @@ def select(
         problems = ckpt.verify_checkpoint(p)
         if p.name in chosen:
             sel.add_tree(p, f"run/checkpoints/{p.name}", "checkpoint", link_ok=True)
-            sel.checkpoints.append({"name": p.name, "step": ckpt.step_of(p.name), "why": chosen[p.name], "problems": problems})
+            sel.checkpoints.append(
+                {"name": p.name, "step": ckpt.step_of(p.name), "why": chosen[p.name], "problems": problems}
+            )
         else:
-            sel.not_moved.append({"path": str(p), "bytes": _size(p), "why": f"older than the newest {keep} checkpoints (--keep)"})
+            sel.not_moved.append(
+                {
+                    "path": str(p),
+                    "bytes": _size(p),
+                    "why": f"older than the newest {keep} checkpoints (--keep)",
+                }
+            )
     if (ck_root / ckpt.LATEST).is_file():
-        sel.items.append(Item(ck_root / ckpt.LATEST, f"run/checkpoints/{ckpt.LATEST}", (ck_root / ckpt.LATEST).stat().st_size, "run"))
+        sel.items.append(
+            Item(
+                ck_root / ckpt.LATEST,
+                f"run/checkpoints/{ckpt.LATEST}",
+                (ck_root / ckpt.LATEST).stat().st_size,
+                "run",
+            )
+        )
     if ck_root.is_dir():
         for p in sorted(ck_root.iterdir()):
             if p.name.startswith((".tmp-", ".old-")):
-                sel.not_moved.append({"path": str(p), "bytes": _size(p), "why": "an interrupted checkpoint save (temp folder), not a checkpoint"})
+                sel.not_moved.append(
+                    {
+                        "path": str(p),
+                        "bytes": _size(p),
+                        "why": "an interrupted checkpoint save (temp folder), not a checkpoint",
+                    }
+                )
             elif p.is_dir() and ckpt.step_of(p.name) is None:
                 sel.add_tree(p, f"run/checkpoints/{p.name}", "run")
     raw = _config_of(run_dir, config)
     if config and not Path(config).resolve().is_relative_to(run_dir.resolve()):
-        sel.items.append(Item(Path(config), f"config/{Path(config).name}", Path(config).stat().st_size, "config"))
+        sel.items.append(
+            Item(Path(config), f"config/{Path(config).name}", Path(config).stat().st_size, "config")
+        )
     data_path = None
     if raw and isinstance(raw.get("data"), dict) and raw["data"].get("path"):
         data_path = Path(raw["data"]["path"])
@@ -173,9 +204,17 @@ def select(
     if data_path is None:
         sel.notes.append("no run config found: the dataset could not be located")
     elif not data_path.is_dir():
-        sel.not_moved.append({"path": str(data_path), "bytes": 0, "why": "data.path of the run config does not exist on this node"})
+        sel.not_moved.append(
+            {
+                "path": str(data_path),
+                "bytes": 0,
+                "why": "data.path of the run config does not exist on this node",
+            }
+        )
     elif not with_data:
-        sel.not_moved.append({"path": str(data_path), "bytes": _size(data_path), "why": "excluded with --no-data"})
+        sel.not_moved.append(
+            {"path": str(data_path), "bytes": _size(data_path), "why": "excluded with --no-data"}
+        )
     else:
         rel = f"data/{data_path.name}"
         sel.add_tree(data_path, rel, "data", link_ok=True)
@@ -184,7 +223,9 @@ def select(
         # the data_sync role's manifest beside the data (`dflash manifest create DIR -o DIR.manifest.json`)
         sync_manifest = manifest_beside(data_path)
         if sync_manifest.is_file():
-            sel.items.append(Item(sync_manifest, f"data/{sync_manifest.name}", sync_manifest.stat().st_size, "data"))
+            sel.items.append(
+                Item(sync_manifest, f"data/{sync_manifest.name}", sync_manifest.stat().st_size, "data")
+            )
     for inc in includes or []:
         sel.add_path(Path(inc), "extra", "extra")
     for r in recon or []:
@@ -205,7 +246,9 @@ def select(
                 sel.items.append(Item(src, target, src.stat().st_size, "node"))
     dups = _duplicates(sel.items)
     if dups:
-        raise SalvageError(f"two sources map to the same place in the salvage set: {dups} (rename an --include)")
+        raise SalvageError(
+            f"two sources map to the same place in the salvage set: {dups} (rename an --include)"
+        )
     return sel
 
 
@@ -280,8 +323,11 @@ def collect(
         facts = json.loads(old_facts.read_text())
         for p in sorted((set_dir / "node").rglob("*")):
             rel = p.relative_to(set_dir).as_posix()
-            if p.is_file() and rel not in ("node/processes.json", "node/stop.json", "node/facts.json") \
-                    and not rel.startswith("node/recon/"):
+            if (
+                p.is_file()
+                and rel not in ("node/processes.json", "node/stop.json", "node/facts.json")
+                and not rel.startswith("node/recon/")
+            ):
                 sel.items.append(Item(p, rel, p.stat().st_size, "node"))
         facts_text = old_facts.read_text()
     else:
@@ -329,15 +375,31 @@ def collect(
         old = load_manifest(set_dir / MANIFEST_NAME)
     except ManifestError:
         old = None
-    manifest = create_manifest(set_dir, None, exclude=(*MANIFEST_EXCLUDE, MANIFEST_NAME), reuse=old,
-                               source=f"{facts['hostname']}:{set_dir.resolve()}")
-    unchanged = old is not None and same_content(old, manifest) and all(
-        old["files"].get(k, {}).get("mtime_ns") == v.get("mtime_ns") for k, v in manifest["files"].items())
+    manifest = create_manifest(
+        set_dir,
+        None,
+        exclude=(*MANIFEST_EXCLUDE, MANIFEST_NAME),
+        reuse=old,
+        source=f"{facts['hostname']}:{set_dir.resolve()}",
+    )
+    unchanged = (
+        old is not None
+        and same_content(old, manifest)
+        and all(
+            old["files"].get(k, {}).get("mtime_ns") == v.get("mtime_ns") for k, v in manifest["files"].items()
+        )
+    )
     if not unchanged:  # an unchanged set keeps its manifest file untouched (a fetch then moves nothing)
         atomic_write_text(set_dir / MANIFEST_NAME, json.dumps(manifest, indent=1) + "\n")
-    report.update(placed=counts, removed=removed, hashed=manifest["hashed"],
-                  manifest=MANIFEST_NAME, file_count=manifest["file_count"], total_bytes=manifest["total_bytes"],
-                  seconds=round(time.monotonic() - t0, 3))
+    report.update(
+        placed=counts,
+        removed=removed,
+        hashed=manifest["hashed"],
+        manifest=MANIFEST_NAME,
+        file_count=manifest["file_count"],
+        total_bytes=manifest["total_bytes"],
+        seconds=round(time.monotonic() - t0, 3),
+    )
     return report
 
 

@@ -37,8 +37,10 @@ def disk_table() -> str:
             u = psutil.disk_usage(part.mountpoint)
         except OSError:
             continue
-        rows.append(f"{part.mountpoint:30} {part.fstype:8} {u.total / 1e9:9.1f} {u.used / 1e9:9.1f} "
-                    f"{u.free / 1e9:9.1f} {u.percent:4.0f}%")
+        rows.append(
+            f"{part.mountpoint:30} {part.fstype:8} {u.total / 1e9:9.1f} {u.used / 1e9:9.1f} "
+            f"{u.free / 1e9:9.1f} {u.percent:4.0f}%"
+        )
     return "\n".join(rows) + "\n"
 
 
@@ -83,8 +85,11 @@ def node_facts() -> tuple[dict[str, Any], dict[str, str]]:
     try:
         import importlib.metadata as md
 
-        facts["packages"] = {n: md.version(n) for n in ("torch", "transformers", "speculators", "dflash-trainer")
-                             if _has_dist(md, n)}
+        facts["packages"] = {
+            n: md.version(n)
+            for n in ("torch", "transformers", "speculators", "dflash-trainer")
+            if _has_dist(md, n)
+        }
     except Exception as exc:  # noqa: BLE001 - facts are best effort, never a reason to stop salvage
         facts["packages_error"] = f"{type(exc).__name__}: {exc}"
     files["disk.txt"] = disk_table()
@@ -104,7 +109,9 @@ def code_state() -> dict[str, str]:
     repo = Path(__file__).resolve().parents[2]
     rc, head = _run(["git", "-C", str(repo), "rev-parse", "HEAD"])
     if rc != 0:
-        return {"README.txt": f"the trainer package at {repo} is not a git checkout: no code state recorded\n"}
+        return {
+            "README.txt": f"the trainer package at {repo} is not a git checkout: no code state recorded\n"
+        }
     _, status = _run(["git", "-C", str(repo), "status", "--porcelain"])
     _, diff = _run(["git", "-C", str(repo), "diff", "HEAD"])
     return {"git-HEAD.txt": head, "git-status.txt": status, "git-diff.patch": diff}

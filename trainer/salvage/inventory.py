@@ -31,7 +31,10 @@ import psutil
 
 from trainer.events import load_events
 
-COMPUTE_APPS_QUERY = ["--query-compute-apps=pid,process_name,used_gpu_memory,gpu_uuid", "--format=csv,noheader,nounits"]
+COMPUTE_APPS_QUERY = [
+    "--query-compute-apps=pid,process_name,used_gpu_memory,gpu_uuid",
+    "--format=csv,noheader,nounits",
+]
 PYTHON_NAMES = ("python", "python3", "pypy")
 LONG_RUNNING_S = 60.0  # a python process younger than this is not "long-running" work
 
@@ -66,7 +69,14 @@ def parse_compute_apps(text: str) -> list[dict[str, Any]]:
             mem = float(cells[2])
         except ValueError:
             mem = None
-        rows.append({"pid": int(cells[0]), "name": cells[1], "used_mib": mem, "gpu": cells[3] if len(cells) > 3 else ""})
+        rows.append(
+            {
+                "pid": int(cells[0]),
+                "name": cells[1],
+                "used_mib": mem,
+                "gpu": cells[3] if len(cells) > 3 else "",
+            }
+        )
     return rows
 
 
@@ -74,9 +84,14 @@ def gpu_processes(timeout: float = 10.0) -> tuple[list[dict[str, Any]] | None, s
     """(rows, note). rows is None when GPU processes could not be listed, and the note says why."""
     exe = shutil.which("nvidia-smi")
     if exe is None:
-        return None, "nvidia-smi not found: GPU compute processes could not be listed (no NVIDIA driver here?)"
+        return (
+            None,
+            "nvidia-smi not found: GPU compute processes could not be listed (no NVIDIA driver here?)",
+        )
     try:
-        res = subprocess.run([exe, *COMPUTE_APPS_QUERY], capture_output=True, text=True, timeout=timeout, check=False)
+        res = subprocess.run(
+            [exe, *COMPUTE_APPS_QUERY], capture_output=True, text=True, timeout=timeout, check=False
+        )
     except subprocess.TimeoutExpired:
         return None, f"nvidia-smi did not answer within {timeout:.0f}s: GPU processes could not be listed"
     if res.returncode != 0:
@@ -94,12 +109,18 @@ def classify(cmd: list[str], name: str) -> tuple[str, str] | None:
     line = _joined(cmd)
     base = os.path.basename(cmd[0]) if cmd else name
     args = cmd[1:]
-    launcher = "torchrun" in base or any(a.endswith("/torchrun") for a in cmd[:2]) or "torch.distributed.run" in cmd[:3]
+    launcher = (
+        "torchrun" in base
+        or any(a.endswith("/torchrun") for a in cmd[:2])
+        or "torch.distributed.run" in cmd[:3]
+    )
     if launcher:
         if "trainer.cli" in line and "train" in args:
             return "trainer", "torchrun (dflash train)"
         return "unknown", "torchrun"
-    if ("trainer.cli" in args or base == "dflash" or any(a.endswith("/dflash") for a in cmd[:2])) and "train" in args:
+    if (
+        "trainer.cli" in args or base == "dflash" or any(a.endswith("/dflash") for a in cmd[:2])
+    ) and "train" in args:
         return "trainer", "dflash train"
     if ("trainer.cli" in args or base == "dflash" or any(a.endswith("/dflash") for a in cmd[:2])) and (
         "monitor" in args or "status" in args
@@ -162,8 +183,12 @@ def run_pids(run_dirs: list[Path]) -> dict[int, str]:
     return out
 
 
-def take_inventory(run_dirs: list[Path] | None = None, stop_unknown: bool = False,
-                   gpu_rows: list[dict[str, Any]] | None = None, gpu_note: str | None = None) -> dict[str, Any]:
+def take_inventory(
+    run_dirs: list[Path] | None = None,
+    stop_unknown: bool = False,
+    gpu_rows: list[dict[str, Any]] | None = None,
+    gpu_note: str | None = None,
+) -> dict[str, Any]:
     """The inventory report: processes (classified, with the action salvage will take) and notes."""
     if gpu_rows is None and gpu_note is None:
         gpu_rows, gpu_note = gpu_processes()
@@ -191,10 +216,23 @@ def take_inventory(run_dirs: list[Path] | None = None, stop_unknown: bool = Fals
             continue
         kind, label = cls
         started = info.get("create_time")
-        if kind == "unknown" and not on_gpu and label == "python" and started and now - started < LONG_RUNNING_S:
+        if (
+            kind == "unknown"
+            and not on_gpu
+            and label == "python"
+            and started
+            and now - started < LONG_RUNNING_S
+        ):
             continue  # a short-lived python process (a probe, an ansible module): not running work
-        proc = Proc(pid, kind, label, info.get("username"), _joined(cmd) or f"[{name}]", started,
-                    run_dir=known_runs.get(pid))
+        proc = Proc(
+            pid,
+            kind,
+            label,
+            info.get("username"),
+            _joined(cmd) or f"[{name}]",
+            started,
+            run_dir=known_runs.get(pid),
+        )
         if on_gpu:
             mems = [r["used_mib"] for r in on_gpu if r["used_mib"] is not None]
             proc.gpu_memory_mib = sum(mems) if mems else None
@@ -204,9 +242,20 @@ def take_inventory(run_dirs: list[Path] | None = None, stop_unknown: bool = Fals
     listed = {p.pid for p in procs}
     for pid, rows in gpu_by_pid.items():
         if pid not in listed:  # on the GPU but not visible here (another container / pid namespace)
-            procs.append(Proc(pid, "unknown", rows[0]["name"], None, rows[0]["name"], None,
-                              sum(r["used_mib"] or 0 for r in rows), [r["gpu"] for r in rows], "report",
-                              "listed by nvidia-smi but not visible to this process (another pid namespace?)"))
+            procs.append(
+                Proc(
+                    pid,
+                    "unknown",
+                    rows[0]["name"],
+                    None,
+                    rows[0]["name"],
+                    None,
+                    sum(r["used_mib"] or 0 for r in rows),
+                    [r["gpu"] for r in rows],
+                    "report",
+                    "listed by nvidia-smi but not visible to this process (another pid namespace?)",
+                )
+            )
     procs.sort(key=lambda p: (["trainer", "monitor", "server", "session", "unknown"].index(p.kind), p.pid))
     counts: dict[str, int] = {}
     for p in procs:
@@ -231,16 +280,23 @@ def _decide(procs: list[Proc], stop_unknown: bool, run_pids_: set[int] | None) -
     def ours(pid: int) -> bool:
         if run_pids_ is None:
             return True
-        return pid in run_pids_ or parents.get(pid) in run_pids_ or any(
-            parents.get(k) == pid for k in run_pids_)
+        return (
+            pid in run_pids_ or parents.get(pid) in run_pids_ or any(parents.get(k) == pid for k in run_pids_)
+        )
 
     for p in procs:
         if p.kind == "trainer":
             if not ours(p.pid):
-                p.action, p.why = "report", "a dflash train of another run folder (not given with --run-dir): left running"
+                p.action, p.why = (
+                    "report",
+                    "a dflash train of another run folder (not given with --run-dir): left running",
+                )
                 p.kind = "unknown" if stop_unknown else p.kind
                 if stop_unknown:
-                    p.action, p.why = "stop", "a dflash train of another run folder; salvage_stop_unknown is true"
+                    p.action, p.why = (
+                        "stop",
+                        "a dflash train of another run folder; salvage_stop_unknown is true",
+                    )
             elif parents[p.pid] in trainer_pids and ours(parents[p.pid]):
                 p.action, p.why = "report", "a worker of the trainer listed above: stopped with it"
             else:
@@ -249,7 +305,10 @@ def _decide(procs: list[Proc], stop_unknown: bool, run_pids_: set[int] | None) -
             if stop_unknown:
                 p.action, p.why = "stop", "salvage_stop_unknown is true: SIGTERM after the trainer stopped"
             else:
-                p.action, p.why = "report", "not the trainer: reported, left running (salvage_stop_unknown: false)"
+                p.action, p.why = (
+                    "report",
+                    "not the trainer: reported, left running (salvage_stop_unknown: false)",
+                )
         elif p.kind == "monitor":
             p.action, p.why = "report", "reads the event stream only; harmless, left running"
         else:
@@ -269,8 +328,12 @@ def render_table(inv: dict[str, Any]) -> str:
         started = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(p["started"])) if p["started"] else "?"
         mem = f"{p['gpu_memory_mib']:.0f}" if p["gpu_memory_mib"] is not None else "-"
         cmd = p["cmdline"] if len(p["cmdline"]) <= 100 else p["cmdline"][:97] + "..."
-        lines.append(f"{p['pid']:>7} {p['kind']:8} {p['action']:6} {str(p['user'])[:8]:8} {started:19} {mem:>8}  {cmd}")
+        lines.append(
+            f"{p['pid']:>7} {p['kind']:8} {p['action']:6} {str(p['user'])[:8]:8} {started:19} {mem:>8}  {cmd}"
+        )
     lines.append(f"GPU: {inv['gpu_note']}")
     stop = ", ".join(str(x) for x in inv["will_stop"]) or "nothing"
-    lines.append(f"will stop: {stop}; unknown processes are {'stopped' if inv['stop_unknown'] else 'left running'}")
+    lines.append(
+        f"will stop: {stop}; unknown processes are {'stopped' if inv['stop_unknown'] else 'left running'}"
+    )
     return "\n".join(lines)

@@ -42,8 +42,14 @@ def run_state(run_dir: Path) -> dict[str, Any]:
     return {"start": evs[i], "end": end}
 
 
-def stop_method(pid: int, cgroup: str, environ: dict[str, str], parent_cmd: list[str] | None,
-                have_systemctl: bool, have_supervisorctl: bool) -> dict[str, Any]:
+def stop_method(
+    pid: int,
+    cgroup: str,
+    environ: dict[str, str],
+    parent_cmd: list[str] | None,
+    have_systemctl: bool,
+    have_supervisorctl: bool,
+) -> dict[str, Any]:
     """How to ask `pid` to stop, from what the kernel and its environment say about it."""
     unit = None
     for line in cgroup.splitlines():
@@ -62,7 +68,11 @@ def stop_method(pid: int, cgroup: str, environ: dict[str, str], parent_cmd: list
         cmd = ["supervisorctl"]
         if environ.get("SUPERVISOR_SERVER_URL"):
             cmd += ["-s", environ["SUPERVISOR_SERVER_URL"]]
-        return {"how": "supervisor", "program": f"{group}:{name}", "command": [*cmd, "stop", f"{group}:{name}"]}
+        return {
+            "how": "supervisor",
+            "program": f"{group}:{name}",
+            "command": [*cmd, "stop", f"{group}:{name}"],
+        }
     if parent_cmd:
         cls = classify(parent_cmd, os.path.basename(parent_cmd[0]))
         if cls and cls[0] == "trainer" and "torchrun" in cls[1]:
@@ -86,8 +96,14 @@ def _describe(pid: int) -> dict[str, Any]:
         parent_pid = parent.pid if parent else None
     except psutil.Error:
         parent_cmd, parent_pid = None, None
-    method = stop_method(pid, cgroup, environ, parent_cmd, shutil.which("systemctl") is not None,
-                         shutil.which("supervisorctl") is not None)
+    method = stop_method(
+        pid,
+        cgroup,
+        environ,
+        parent_cmd,
+        shutil.which("systemctl") is not None,
+        shutil.which("supervisorctl") is not None,
+    )
     if method.get("signal_pid") == "parent":
         method["signal_pid"] = parent_pid
     return method
@@ -104,11 +120,15 @@ def _alive(pid: int, started_before: float | None) -> bool:
         return False
 
 
-def stop_trainer(run_dir: Path, timeout_s: float = 600.0, check: bool = False, poll_s: float = 0.2) -> dict[str, Any]:
+def stop_trainer(
+    run_dir: Path, timeout_s: float = 600.0, check: bool = False, poll_s: float = 0.2
+) -> dict[str, Any]:
     """Stop the run writing `run_dir`; returns the stop report (`ok` false on any doubt)."""
     run_dir = Path(run_dir)
     if not (run_dir / "events.jsonl").is_file():
-        raise SalvageError(f"{run_dir}/events.jsonl does not exist: not a dflash run folder (pass its out_dir)")
+        raise SalvageError(
+            f"{run_dir}/events.jsonl does not exist: not a dflash run folder (pass its out_dir)"
+        )
     if timeout_s <= 0:
         raise SalvageError(f"--timeout {timeout_s}: must be positive")
     st = run_state(run_dir)
@@ -121,13 +141,20 @@ def stop_trainer(run_dir: Path, timeout_s: float = 600.0, check: bool = False, p
     report["pid"] = pid
     report["run_id"] = start.get("run_id")
     if end is not None:
-        report.update(state="not_running", ok=True, end=end,
-                      message=f"the run already ended ({end.get('status')} at step {end.get('step')}): nothing to stop")
+        report.update(
+            state="not_running",
+            ok=True,
+            end=end,
+            message=f"the run already ended ({end.get('status')} at step {end.get('step')}): nothing to stop",
+        )
         return _with_checkpoint(report, run_dir)
     if not isinstance(pid, int) or not _alive(pid, start.get("time")):
-        report.update(state="dead", ok=False,
-                      message=f"the run has no run_end and its process {pid} is gone (killed or crashed): "
-                              "no final checkpoint; the newest verified one is salvaged")
+        report.update(
+            state="dead",
+            ok=False,
+            message=f"the run has no run_end and its process {pid} is gone (killed or crashed): "
+            "no final checkpoint; the newest verified one is salvaged",
+        )
         return _with_checkpoint(report, run_dir)
     method = _describe(pid)
     report["method"] = method
@@ -162,20 +189,32 @@ def stop_trainer(run_dir: Path, timeout_s: float = 600.0, check: bool = False, p
     report["final_checkpoint_event"] = final
     report["end"] = run_end
     if run_end is None and _alive(pid, start.get("time")):
-        report.update(state="timeout", ok=False,
-                      message=f"TIMEOUT: pid {pid} got SIGTERM ({method['how']}) but wrote no run_end within "
-                              f"{timeout_s:.0f}s; it is STILL RUNNING. Its newest checkpoint that verifies is salvaged; "
-                              "raise --timeout or look at train.log before shutting the node down")
+        report.update(
+            state="timeout",
+            ok=False,
+            message=f"TIMEOUT: pid {pid} got SIGTERM ({method['how']}) but wrote no run_end within "
+            f"{timeout_s:.0f}s; it is STILL RUNNING. Its newest checkpoint that verifies is salvaged; "
+            "raise --timeout or look at train.log before shutting the node down",
+        )
     elif run_end is None:
-        report.update(state="died", ok=False,
-                      message=f"pid {pid} exited without a run_end event after SIGTERM: no final checkpoint")
+        report.update(
+            state="died",
+            ok=False,
+            message=f"pid {pid} exited without a run_end event after SIGTERM: no final checkpoint",
+        )
     elif run_end.get("status") != "stopped" or final is None:
-        report.update(state=f"ended_{run_end.get('status')}", ok=run_end.get("status") == "completed",
-                      message=f"the run ended with status {run_end.get('status')!r} at step {run_end.get('step')} "
-                              f"({'with' if final else 'without'} a final signal checkpoint)")
+        report.update(
+            state=f"ended_{run_end.get('status')}",
+            ok=run_end.get("status") == "completed",
+            message=f"the run ended with status {run_end.get('status')!r} at step {run_end.get('step')} "
+            f"({'with' if final else 'without'} a final signal checkpoint)",
+        )
     else:
-        report.update(state="stopped", ok=True,
-                      message=f"stopped at step {run_end.get('step')} with final checkpoint {final.get('name')}")
+        report.update(
+            state="stopped",
+            ok=True,
+            message=f"stopped at step {run_end.get('step')} with final checkpoint {final.get('name')}",
+        )
     report["process_exited"] = not _alive(pid, start.get("time"))
     _with_checkpoint(report, run_dir)
     if report["state"] == "stopped" and report.get("checkpoint") != final.get("name"):
@@ -196,7 +235,9 @@ def _send(method: dict[str, Any], pid: int, report: dict[str, Any]) -> None:
         if method["how"] == "systemd":
             _, err = proc.communicate(timeout=60)
             if proc.returncode != 0:
-                raise SalvageError(f"{report['stop_command']} failed (exit {proc.returncode}): {err.decode()[:300]}")
+                raise SalvageError(
+                    f"{report['stop_command']} failed (exit {proc.returncode}): {err.decode()[:300]}"
+                )
         return
     target = method.get("signal_pid") or pid
     os.kill(int(target), signal.SIGTERM)

@@ -39,8 +39,9 @@ class StallWatchdog:
     a hang in a collective, a dead NFS mount, a GPU wedged. It runs in a thread, so it speaks even
     when the loop cannot; the monitor adds its own stall alert from the outside."""
 
-    def __init__(self, on_stall, factor: float = 10.0, min_s: float = 120.0, poll_s: float = 5.0,
-                 clock=time.monotonic):
+    def __init__(
+        self, on_stall, factor: float = 10.0, min_s: float = 120.0, poll_s: float = 5.0, clock=time.monotonic
+    ):
         self.on_stall, self.factor, self.min_s, self.poll_s = on_stall, factor, min_s, poll_s
         self._clock = clock  # injectable: tests drive time instead of sleeping
         self._durations: list[float] = []
