@@ -104,6 +104,20 @@ def _finish(report: dict[str, Any]) -> dict[str, Any]:
     return report
 
 
+def _new_report(where: str, **extra: Any) -> dict[str, Any]:
+    """A verify report before any check: what `_finish` and `render` expect, S3 or local alike."""
+    return {
+        "where": where,
+        **extra,
+        "missing": [],
+        "differing": [],
+        "checked": 0,
+        "checked_bytes": 0,
+        "entries": 0,
+        "extra": [],
+    }
+
+
 def verify_s3(
     url: str,
     endpoint_url: str | None = None,
@@ -125,17 +139,11 @@ def verify_s3(
     t0 = time.monotonic()
     objects = list(s3.list_objects(client, loc))
     bookkeeping = {loc.key(n) for n in (MANIFEST_NAME, *RECORDS)}
-    report: dict[str, Any] = {
-        "where": loc.url(),
-        "endpoint_url": endpoint_url,
-        "inventory": prefix_table([o for o in objects if o["Key"] not in bookkeeping], loc.prefix),
-        "missing": [],
-        "differing": [],
-        "checked": 0,
-        "checked_bytes": 0,
-        "entries": 0,
-        "extra": [],
-    }
+    report = _new_report(
+        loc.url(),
+        endpoint_url=endpoint_url,
+        inventory=prefix_table([o for o in objects if o["Key"] not in bookkeeping], loc.prefix),
+    )
     manifest = s3.get_json(client, loc.bucket, loc.key(MANIFEST_NAME))
     report["manifest_found"] = manifest is not None
     if manifest is None:
@@ -243,15 +251,7 @@ def verify_local(
     if not set_dir.is_dir():
         raise SalvageError(f"{set_dir} is not a folder")
     t0 = time.monotonic()
-    report: dict[str, Any] = {
-        "where": str(set_dir),
-        "missing": [],
-        "differing": [],
-        "checked": 0,
-        "checked_bytes": 0,
-        "entries": 0,
-        "extra": [],
-    }
+    report = _new_report(str(set_dir))
     objects = [
         {"Key": p.relative_to(set_dir).as_posix(), "Size": p.stat().st_size}
         for p in sorted(set_dir.rglob("*"))
