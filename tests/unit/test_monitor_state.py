@@ -182,6 +182,61 @@ def test_trainer_watchdog_stall_and_trainer_warnings_become_alerts():
     assert {a["kind"] for a in evaluate(st, 153.5, th)} == {"trainer_warning"}
 
 
+def test_each_trainer_warning_kind_becomes_an_alert_and_older_starts_warnings_are_ignored():
+    from trainer.monitor.alerts import TRAINER_KINDS
+
+    assert set(TRAINER_KINDS) == {
+        "nonfinite_target",
+        "low_target_agreement",
+        "corrupt_checkpoint",
+        "stop_timeout",
+    }
+    th = Thresholds(disk_min_bytes=0)
+    for kind in TRAINER_KINDS:
+        st = RunState()
+        st.feed(start_event(t=100.0))
+        st.feed({"event": "warning", "time": 101.0, "run_id": "r", "kind": kind, "message": f"{kind} seen"})
+        alerts = [a for a in evaluate(st, 101.5, th) if a["kind"] == "trainer_warning"]
+        assert [(a["warning_kind"], a["message"]) for a in alerts] == [(kind, f"{kind}: {kind} seen")]
+        # the run is restarted (a resume): what the earlier start warned about is history, not an alert
+        st.feed(start_event(t=200.0, start_step=0))
+        assert [a for a in evaluate(st, 200.5, th) if a["kind"] == "trainer_warning"] == []
+        # a warning of another kind than these is shown in the stream, not raised as an alert
+        st.feed({"event": "warning", "time": 201.0, "run_id": "r", "kind": "thin_margin", "message": "x"})
+        assert [a for a in evaluate(st, 201.5, th) if a["kind"] == "trainer_warning"] == []
+
+
+def test_a_failed_run_is_an_error_alert_naming_the_error():
+    st = RunState()
+    st.feed(start_event(t=100.0))
+    st.feed(step_event(1, 101.0))
+    th = Thresholds(disk_min_bytes=0)
+    assert "run_failed" not in {a["kind"] for a in evaluate(st, 101.5, th)}
+    st.feed(
+        {
+            "event": "run_end",
+            "time": 102.0,
+            "run_id": "r",
+            "status": "failed",
+            "step": 1,
+            "error": "RuntimeError: ranks diverged",
+        }
+    )
+    failed = [a for a in evaluate(st, 102.5, th) if a["kind"] == "run_failed"]
+    assert failed == [
+        {
+            "event": "warning",
+            "kind": "run_failed",
+            "level": "error",
+            "message": "the run failed at step 1: RuntimeError: ranks diverged",
+        }
+    ]
+    st2 = RunState()
+    st2.feed(start_event(t=100.0))
+    st2.feed({"event": "run_end", "time": 102.0, "run_id": "r", "status": "completed", "step": 100})
+    assert "run_failed" not in {a["kind"] for a in evaluate(st2, 102.5, th)}
+
+
 def test_process_gone_and_disk_low_alerts(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()  # a real pid that has exited
