@@ -573,13 +573,62 @@ def test_out_dir_over_a_file_refused(make_config, tmp_path):
     assert_problem(report, "machine.out_dir_not_writable", "not a writable folder", "set out_dir")
 
 
-def test_cuda_requested_without_cuda_warned(make_config):
+def test_cuda_requested_is_checked_on_the_gpu_or_warned_without_one(make_config):
     import torch
 
-    if torch.cuda.is_available():
-        pytest.skip("this machine has CUDA")
     report = preflight(make_config, train={"device": "cuda"})
+    if torch.cuda.is_available():  # a GPU machine: the CUDA branch measures the real device
+        assert "machine.cuda_unavailable" not in report.codes()
+        memory = report.machine["memory"]
+        assert memory["device"].startswith("cuda:") and memory["available_gib"] > 0
+        assert memory["need_gib"] == pytest.approx(sum(memory["parts_gib"].values()))
+        return
     assert_problem(
         report, "machine.cuda_unavailable", "no usable CUDA device", "training machine", warning=True
     )
     assert "skipped" in report.machine["memory"]
+
+
+def test_memory_within_10_percent_of_the_device_is_a_warning(make_config, monkeypatch):
+    from trainer.preflight import machine
+
+    # a device of a chosen size cannot be had here: only the free-memory probe is replaced (a stand-in
+    # for the hardware); the run's memory estimate and the gate's thresholds are the real ones
+    need = preflight(make_config).machine["memory"]["need_gib"] * 2**30
+    for available, code in (
+        (need / 0.95, "machine.memory_tight"),
+        (need / 0.5, None),
+        (need * 0.9, "machine.memory"),
+    ):
+        monkeypatch.setattr(
+            machine,
+            "probe_device_memory",
+            lambda _d, a=available: machine.DeviceMemory("fake", int(a), False),
+        )
+        report = preflight(make_config)
+        memory_codes = [c for c in report.codes() if c.startswith("machine.memory")]
+        assert memory_codes == ([code] if code else []), (available / need, memory_codes)
+
+
+def test_warm_start_with_a_missing_shard_refused(make_config, tmp_path):
+    ckpt = warm_start(tmp_path / "ckpt", [1, 2], 2 * 64)
+    (ckpt / "model.safetensors").rename(ckpt / "model-00001-of-00002.safetensors")
+    index = {
+        "weight_map": {
+            "fc.weight": "model-00001-of-00002.safetensors",
+            "norm.weight": "model-00002-of-00002.safetensors",
+        }
+    }
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
+    report = preflight(make_config, drafter={"warm_start": str(ckpt)})
+    assert_problem(
+        report, "config.warm_start_missing_shards", "model-00002-of-00002.safetensors", "drafter.warm_start"
+    )
+
+
+def test_warm_start_with_broken_safetensors_refused(make_config, tmp_path):
+    ckpt = warm_start(tmp_path / "ckpt", [1, 2], 2 * 64)
+    blob = (ckpt / "model.safetensors").read_bytes()
+    (ckpt / "model.safetensors").write_bytes(blob[:20])
+    report = preflight(make_config, drafter={"warm_start": str(ckpt)})
+    assert_problem(report, "config.warm_start_bad_safetensors", "model.safetensors", "drafter.warm_start")
