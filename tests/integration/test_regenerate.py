@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,7 +21,14 @@ import pytest
 
 from tests.conftest import write_config
 from trainer.eval.prompts import write_prompt_file
-from trainer.regenerate import DATA_META, RegenerateError, RegenOptions, read_data_meta, regenerate
+from trainer.regenerate import (
+    DATA_META,
+    RegenerateError,
+    RegenOptions,
+    make_backend,
+    read_data_meta,
+    regenerate,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -112,6 +120,21 @@ def prompts_file(path: Path, n: int, seed: int = 0) -> Path:
     return write_prompt_file(path, rows)
 
 
+class RecordingBackend:
+    """Counts the batches and prompts a backend is asked for; `None` inside: it must never be asked."""
+
+    name = "transformers"
+
+    def __init__(self, inner):
+        self.inner, self.batches, self.prompts = inner, 0, 0
+
+    def generate(self, prompts, max_new_tokens):
+        assert self.inner is not None, "asked to generate where nothing should be generated"
+        self.batches += 1
+        self.prompts += len(prompts)
+        return self.inner.generate(prompts, max_new_tokens)
+
+
 def test_dataset_format_mask_stop_rule_metadata_and_data_gate(chat_target, tmp_path):
     from trainer.config import load_config
     from trainer.eval.prompts import load_tokenizer
@@ -162,7 +185,7 @@ def test_dataset_format_mask_stop_rule_metadata_and_data_gate(chat_target, tmp_p
     assert data_problems == [] and report.data["usable"] == 24
 
 
-def test_resumes_after_kill_9_with_the_same_result(chat_target, tmp_path):
+def test_resumes_after_kill_9_with_the_same_result(chat_target, tmp_path, capsys):
     prompts = prompts_file(tmp_path / "p.jsonl", 40)
     args = ["--target", chat_target, "--prompts", prompts, "--max-new-tokens", 32, "--batch-size", 2]
     opts = RegenOptions(chat_target, prompts, tmp_path / "ref", max_new_tokens=32, batch_size=2)
@@ -182,24 +205,45 @@ def test_resumes_after_kill_9_with_the_same_result(chat_target, tmp_path):
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    done_before = len(list(partial.glob("batch-*.json")))
+    finished = {f.name: f.stat().st_mtime_ns for f in partial.glob("batch-*.json")}
+    done_before = len(finished)
     assert 3 <= done_before < 20, f"kill landed at {done_before} of 20 batches"
     assert not out.exists(), "a killed run must not leave a dataset under the final name"
-    res = subprocess.run(
-        [*DFLASH, "regenerate", *map(str, args), "--out", str(out)],
-        check=False,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert "resuming:" in res.stdout and "of 20 batches already done" in res.stdout
+    # the resume runs in this process; the backend it builds (make_backend, as the CLI does) records
+    # what it is asked to generate, and a check, before the partial folder goes away, that
+    # no finished batch file was written again
+    made: list[RecordingBackend] = []
+
+    def make_recording_backend(*args, **kwargs):
+        made.append(RecordingBackend(make_backend(*args, **kwargs)))
+        return made[-1]
+
+    seen_mtimes: dict[str, int] = {}
+    real_rmtree = shutil.rmtree
+
+    def rmtree_after_look(path, *a, **kw):
+        if Path(path) == partial:
+            seen_mtimes.update({n: (partial / n).stat().st_mtime_ns for n in finished})
+        return real_rmtree(path, *a, **kw)
+
+    resume = RegenOptions(chat_target, prompts, out, max_new_tokens=32, batch_size=2)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("trainer.regenerate.shutil.rmtree", rmtree_after_look)
+        mp.setattr("trainer.regenerate.make_backend", make_recording_backend)
+        regenerate(resume)
+    assert len(made) == 1
+    backend = made[0]
+    assert f"resuming: {done_before} of 20 batches already done" in capsys.readouterr().out
+    assert backend.batches == 20 - done_before, "exactly the unfinished batches are generated"
+    assert backend.prompts == 2 * (20 - done_before)
+    assert seen_mtimes == finished, "finished batch files were not regenerated"
     a, b = datasets.load_from_disk(str(ref)), datasets.load_from_disk(str(out))
     assert a["input_ids"] == b["input_ids"] and a["loss_mask"] == b["loss_mask"]
     # a finished dataset is not regenerated; other settings on a partial run are refused
     opts.out = out
-    assert regenerate(opts) == out
+    never = RecordingBackend(None)
+    assert regenerate(opts, backend=never) == out and never.batches == 0, "no generation for a done dataset"
+    assert "is already complete" in capsys.readouterr().out
     other = tmp_path / ".ds2.partial"
     other.mkdir()
     (other / "plan.json").write_text(json.dumps({"max_new_tokens": 7}))

@@ -173,25 +173,7 @@ def test_corrupt_newest_checkpoint_is_reported_and_previous_used(tmp_path, tiny_
 
 def test_two_process_gloo_ddp_keeps_ranks_identical(tmp_path, tiny_target, tiny_data):
     cfg = cfg_file(tmp_path, tiny_target, tiny_data, max_steps=6, checkpoint_every=3)
-    res = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            "-m",
-            "trainer.cli",
-            "train",
-            "--config",
-            str(cfg),
-        ],
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
+    res = run_torchrun(cfg)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     out = tmp_path / "run"
     assert events_of(out, "run_start")[0]["layout"]["world_size"] == 2
@@ -202,7 +184,7 @@ def test_two_process_gloo_ddp_keeps_ranks_identical(tmp_path, tiny_target, tiny_
     assert steps[0]["batch_tokens"] > 256, "tokens are summed over both ranks"
 
 
-def run_torchrun(cfg: Path, timeout=400) -> subprocess.CompletedProcess:
+def run_torchrun(cfg: Path, timeout=400, module: str = "trainer.cli") -> subprocess.CompletedProcess:
     return subprocess.run(
         [
             sys.executable,
@@ -212,7 +194,7 @@ def run_torchrun(cfg: Path, timeout=400) -> subprocess.CompletedProcess:
             "--nproc-per-node",
             "2",
             "-m",
-            "trainer.cli",
+            module,
             "train",
             "--config",
             str(cfg),
@@ -223,6 +205,22 @@ def run_torchrun(cfg: Path, timeout=400) -> subprocess.CompletedProcess:
         timeout=timeout,
         check=False,
     )
+
+
+def test_a_rank_that_diverges_stops_the_run_loudly(tmp_path, tiny_target, tiny_data):
+    """The fingerprint check is not only the trainer's word: rank 1 drifts on purpose (one weight
+    nudged by 1e-3 before the step-3 checkpoint, tests/integration/diverging_rank.py) and the run must
+    fail at that checkpoint, say so in the stream and on stderr, and not train on."""
+    cfg = cfg_file(tmp_path, tiny_target, tiny_data, max_steps=6, checkpoint_every=3)
+    res = run_torchrun(cfg, module="tests.integration.diverging_rank")
+    assert res.returncode != 0, "a diverged rank must not end in success"
+    assert "ranks diverged: weight checksums" in res.stdout + res.stderr
+    out = tmp_path / "run"
+    ck = events_of(out, "checkpoint")
+    assert [(c["step"], c["ranks_in_sync"]) for c in ck] == [(3, False)]
+    end = events_of(out, "run_end")[-1]
+    assert end["status"] == "failed" and end["step"] == 3 and "ranks diverged" in end["error"]
+    assert not [e for e in events_of(out, "step") if e["step"] > 3], "no step after the divergence"
 
 
 def test_zero1_shards_adam_moments_and_resumes_exactly(tmp_path, tiny_target, tiny_data):
