@@ -1,6 +1,8 @@
-"""The CLI contract: light verbs never import the heavy stack; the demo (README's main job) runs
+"""The CLI contract: exit codes and the preflight report; the demo (README's main job) runs
 end to end in its shortened --tiny form (its full SmolLM2 form is `scripts/demo`)."""
 
+import json
+import os
 import subprocess
 import sys
 
@@ -32,6 +34,39 @@ def test_config_errors_exit_2_with_the_key_named(tmp_path):
         [ENV_PY, "-m", "trainer.cli", "preflight", "--config", str(bad)], capture_output=True, text=True
     )
     assert res.returncode == 2 and "drafter.colour: unknown key" in res.stderr
+
+
+def test_preflight_exits_0_on_a_good_run_and_2_on_a_refused_one_with_the_json_report(make_config, tmp_path):
+    good = make_config()
+    res = subprocess.run(
+        [ENV_PY, "-m", "trainer.cli", "preflight", "--config", str(good), "--json"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    report = json.loads(res.stdout)
+    assert report["ok"] is True and report["errors"] == []
+    assert report["target"]["num_layers"] > 0 and report["data"]["usable"] > 0
+    text = subprocess.run(
+        [ENV_PY, "-m", "trainer.cli", "preflight", "--config", str(good)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert text.returncode == 0 and text.stdout.startswith("dflash preflight: OK")
+    # the same run with an aux layer id given twice: a gate refuses it before any training
+    bad = make_config(drafter={"aux_layer_ids": [1, 2, 2]})
+    res = subprocess.run(
+        [ENV_PY, "-m", "trainer.cli", "preflight", "--config", str(bad), "--json"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert res.returncode == 2
+    report = json.loads(res.stdout)
+    assert report["ok"] is False and "config.aux_ids_duplicate" in {p["code"] for p in report["errors"]}
+    assert all(p["fix"] for p in report["errors"])
 
 
 @pytest.mark.slow
