@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.conftest import wait_for, write_config
-from trainer.checkpoint import list_checkpoints, read_latest, verify_checkpoint
+from trainer.checkpoint import list_checkpoints, read_latest, verify_checkpoint, write_sums
 from trainer.events import load_events
 
 pytestmark = pytest.mark.slow
@@ -125,7 +125,8 @@ def test_exact_resume_after_kill_9(tmp_path, tiny_target, tiny_data):
     assert diff == [], f"resumed run differs from the uninterrupted one in {diff}"
 
 
-def test_sigterm_writes_a_final_checkpoint_and_exits_0(tmp_path, tiny_target, tiny_data):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_stop_signal_writes_a_final_checkpoint_and_exits_0(tmp_path, tiny_target, tiny_data, sig):
     cfg = cfg_file(tmp_path, tiny_target, tiny_data, max_steps=500, checkpoint_every=1000)
     out = tmp_path / "run"
     proc = subprocess.Popen(
@@ -136,15 +137,113 @@ def test_sigterm_writes_a_final_checkpoint_and_exits_0(tmp_path, tiny_target, ti
     )
     assert wait_for(lambda: len(events_of(out, "step")) >= 3)
     t0 = time.monotonic()
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(sig)
     assert proc.wait(timeout=60) == 0
     stopped_in = time.monotonic() - t0
     ck = events_of(out, "checkpoint")
     assert len(ck) == 1 and ck[0]["reason"] == "signal"
     end = events_of(out, "run_end")[-1]
-    assert end["status"] == "stopped" and end["signal"] == signal.SIGTERM
+    assert end["status"] == "stopped" and end["signal"] == sig
     assert end["step"] == ck[0]["step"] and verify_checkpoint(read_latest(out)) == []
     assert stopped_in < 30
+
+
+def test_a_stop_that_outlasts_stop_timeout_exits_3_with_a_warning(tmp_path, tiny_target, tiny_data):
+    """train.stop_timeout_s bounds SIGTERM -> final checkpoint -> exit: a bound no step can meet (1 ms)
+    ends the process with exit 3 and a stop_timeout warning, and no run_end claims a clean stop."""
+    cfg = cfg_file(
+        tmp_path, tiny_target, tiny_data, max_steps=500, checkpoint_every=1000, stop_timeout_s=0.001
+    )
+    out = tmp_path / "run"
+    proc = subprocess.Popen(
+        [*DFLASH, "train", "--config", str(cfg)],
+        env=ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    assert wait_for(lambda: len(events_of(out, "step")) >= 2)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 3
+    warns = [w for w in events_of(out, "warning") if w["kind"] == "stop_timeout"]
+    assert len(warns) == 1 and "without a final checkpoint" in warns[0]["message"]
+    assert events_of(out, "run_end") == [] and events_of(out, "checkpoint") == []
+
+
+def test_a_resume_whose_optimizer_state_is_empty_is_refused(tmp_path, tiny_target, tiny_data):
+    cfg = cfg_file(tmp_path, tiny_target, tiny_data, max_steps=2, checkpoint_every=2)
+    assert run_train(cfg).returncode == 0
+    out = tmp_path / "run"
+    folder = read_latest(out)
+    state = torch.load(folder / "trainer_state.pt", weights_only=False)
+    state["optimizer"]["state"] = {}
+    torch.save(state, folder / "trainer_state.pt")
+    write_sums(folder)  # a checkpoint that verifies, but would restore no optimizer moment
+    again = cfg_file(tmp_path, tiny_target, tiny_data, max_steps=4, checkpoint_every=2)
+    res = run_train(again)
+    assert res.returncode == 1
+    assert "optimizer state is empty: refusing a resume that restores nothing" in res.stderr
+    assert [e["step"] for e in events_of(out, "step")] == [1, 2], "nothing trained on a hollow resume"
+
+
+def test_warm_start_weights_are_the_ones_training_starts_from(tmp_path, tiny_target, tiny_data):
+    """drafter.warm_start is loaded, not only checked: one step at a negligible lr from a trained
+    checkpoint ends next to that checkpoint's weights, far from where a fresh drafter starts."""
+    first = cfg_file(tmp_path, tiny_target, tiny_data, name="first", max_steps=6, checkpoint_every=6)
+    assert run_train(first).returncode == 0
+    source = read_latest(tmp_path / "first")
+    trained = load_file(str(source / "model.safetensors"))
+    for name, warm in (("fresh", None), ("warm", str(source))):
+        cfg = write_config(
+            tmp_path / f"{name}.yaml",
+            tiny_target,
+            tiny_data,
+            tmp_path / name,
+            train={**FAST, "max_steps": 1, "checkpoint_every": 1, "lr": 1e-12, "warmup_steps": 0},
+            drafter={"warm_start": warm},
+        )
+        assert run_train(cfg).returncode == 0
+    warm, fresh = final_weights(tmp_path / "warm"), final_weights(tmp_path / "fresh")
+    assert set(warm) == set(trained)
+    for key in trained:
+        assert torch.allclose(warm[key], trained[key], atol=1e-6), key
+    assert any(not torch.allclose(fresh[k], trained[k], atol=1e-3) for k in trained), "fresh != trained"
+
+
+def run_poisoned(cfg: Path, steps: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "tests.integration.poisoned_grads", "train", "--config", str(cfg)],
+        env={**ENV, "DFLASH_TEST_POISON_STEPS": steps},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+def test_a_nonfinite_gradient_skips_the_update_and_too_many_stop_the_run(tmp_path, tiny_target, tiny_data):
+    """NaN gradients at steps 3 and 4 (tests/integration/poisoned_grads.py): two warnings, those two
+    updates skipped (the weights after step 4 are the weights after step 2), the run completes.
+    NaN from step 3 on with nan_tolerance 2: the run fails at step 5, loudly, no checkpoint there."""
+    cfg = cfg_file(tmp_path, tiny_target, tiny_data, max_steps=6, checkpoint_every=2, keep_checkpoints=5)
+    res = run_poisoned(cfg, "3,4")
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = tmp_path / "run"
+    warns = events_of(out, "warning")
+    assert [(w["kind"], w["step"]) for w in warns] == [("nonfinite_loss", 3), ("nonfinite_loss", 4)]
+    assert "update skipped" in warns[0]["message"]
+    ckpts = {c.name: load_file(str(c / "model.safetensors")) for c in list_checkpoints(out)}
+    at2, at4, at6 = (ckpts[f"step-{s:08d}"] for s in (2, 4, 6))
+    assert all(torch.equal(at2[k], at4[k]) for k in at2), "skipped updates leave the weights alone"
+    assert any(not torch.equal(at4[k], at6[k]) for k in at4), "finite steps update again"
+    again = cfg_file(tmp_path, tiny_target, tiny_data, name="stops", max_steps=20, nan_tolerance=2)
+    res = run_poisoned(again, ",".join(str(s) for s in range(3, 21)))
+    assert res.returncode == 1
+    out = tmp_path / "stops"
+    kinds = [w["kind"] for w in events_of(out, "warning")]
+    assert kinds == ["nonfinite_loss"] * 3 + ["nonfinite_abort"]
+    end = events_of(out, "run_end")[-1]
+    assert end["status"] == "failed" and end["step"] == 5
+    assert events_of(out, "checkpoint") == [], "no checkpoint of a broken state"
 
 
 def test_corrupt_newest_checkpoint_is_reported_and_previous_used(tmp_path, tiny_target, tiny_data):
