@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.conftest import wait_for
 from trainer.events import EventWriter
 from trainer.monitor.alerts import Thresholds
 from trainer.monitor.runs import Hub
@@ -434,18 +435,41 @@ def test_cli_status_one_screen_and_json(tmp_path):
 
 
 def test_cli_status_watch_follows_the_run_until_ctrl_c(tmp_path):
+    import pty
+
     w = write_run(tmp_path, steps=2, total=10)
+    # a real terminal (a pty): rich redraws the live view there, so each frame can be read as it comes
+    master, slave = pty.openpty()
     proc = subprocess.Popen(
         [*DFLASH, "status", "--run-dir", str(tmp_path), "--watch", "--interval", "0.2"],
-        stdout=subprocess.PIPE,
+        stdout=slave,
         stderr=subprocess.PIPE,
         text=True,
-        env={**ENV, "COLUMNS": "120"},
+        env={**ENV, "COLUMNS": "120", "LINES": "60", "TERM": "xterm"},
     )
-    time.sleep(3)  # started and drawing
-    w.emit("step", step=7, total_steps=10, tokens=700, loss=0.3)
-    time.sleep(1.5)
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=30)
-    assert proc.returncode == 0, err[-2000:]
-    assert "step 7 / 10" in out and "Traceback" not in err
+    os.close(slave)
+    seen: list[bytes] = []
+
+    def read_terminal() -> None:
+        while True:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # the child closed the terminal
+                return
+            if not chunk:
+                return
+            seen.append(chunk)
+
+    reader = threading.Thread(target=read_terminal, daemon=True)
+    reader.start()
+    try:  # each wait is on a frame that shows the state, with a deadline, never a fixed sleep
+        assert wait_for(lambda: b"step 2 / 10" in b"".join(seen), timeout=60), "no first frame"
+        w.emit("step", step=7, total_steps=10, tokens=700, loss=0.3)
+        assert wait_for(lambda: b"step 7 / 10" in b"".join(seen), timeout=60), "the new step never drawn"
+    finally:
+        proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=30) == 0
+    reader.join(timeout=30)
+    os.close(master)
+    err = proc.stderr.read()
+    assert "Traceback" not in err, err[-2000:]

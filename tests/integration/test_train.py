@@ -102,23 +102,24 @@ def test_exact_resume_after_kill_9(tmp_path, tiny_target, tiny_data):
     assert run_train(ref).returncode == 0
     cfg = cfg_file(tmp_path, tiny_target, tiny_data, name="killed", max_steps=12, checkpoint_every=4)
     out = tmp_path / "killed"
-    proc = subprocess.Popen(
-        [*DFLASH, "train", "--config", str(cfg)],
-        env=ENV,
+    proc = subprocess.Popen(  # step 7 never ends (tests/integration/hang_at_step.py): the kill lands in it
+        [sys.executable, "-m", "tests.integration.hang_at_step", "train", "--config", str(cfg)],
+        env={**ENV, "DFLASH_TEST_HANG_AT_STEP": "7"},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
     try:
-        assert wait_for(lambda: any(s["step"] >= 6 for s in events_of(out, "step"))), "never reached step 6"
+        assert wait_for(lambda: (out / "hanging-in-step").is_file()), "never reached step 7"
     finally:
         proc.kill()  # SIGKILL: no handler runs
         proc.wait()
     assert proc.returncode == -signal.SIGKILL
-    assert max(c["step"] for c in events_of(out, "checkpoint")) < 12
+    assert [s["step"] for s in events_of(out, "step")] == [1, 2, 3, 4, 5, 6]
+    assert [c["step"] for c in events_of(out, "checkpoint")] == [4], "killed mid step 7, after step 4's save"
     res = run_train(cfg)
     assert res.returncode == 0, res.stderr[-3000:]
     starts = events_of(out, "run_start")
-    assert starts[-1]["resumed_from"] is not None and starts[-1]["start_step"] >= 4
+    assert starts[-1]["resumed_from"] == "step-00000004" and starts[-1]["start_step"] == 4
     a, b = final_weights(tmp_path / "ref"), final_weights(out)
     assert a.keys() == b.keys()
     diff = [k for k in a if not torch.equal(a[k], b[k])]
