@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -234,7 +235,14 @@ def test_salvage_end_to_end_on_radosgw(tmp_path, tiny_target, tiny_data, rgw):
             )
 
         assert wait_for(big_upload_started, 120, 0.02), "the multipart upload never started"
-        rgw.kill_gateway()
+        # freeze the uploader where it was seen mid-upload, so that the endpoint dies while the upload is
+        # open however slow this machine is, then let it run on into the dead endpoint
+        os.kill(push.pid, signal.SIGSTOP)
+        try:
+            assert s3c.list_multipart_uploads(Bucket="salvage", Prefix="e2e/").get("Uploads"), "already done"
+            rgw.kill_gateway()
+        finally:
+            os.kill(push.pid, signal.SIGCONT)
         stdout, stderr = push.communicate(timeout=300)
         OUTPUTS.append(stdout + stderr)
         assert push.returncode == 1, stdout[-2000:] + stderr[-2000:]
