@@ -83,3 +83,37 @@ def test_plan_and_preflight_give_the_same_figures(make_config):
     assert pre.keys() == plan.keys()
     for k in pre:
         assert pre[k] == pytest.approx(plan[k], rel=1e-3), k
+
+
+@pytest.mark.parametrize(
+    "target_shape, drafter",
+    [
+        ({}, {"aux_layer_ids": [1, 2]}),
+        ({}, {"aux_layer_ids": [1, 2, 3], "num_layers": 2}),
+        ({}, {"aux_layer_ids": [1, 3], "intermediate_size": 48}),
+        ({"hidden": 96, "num_layers": 6, "vocab": 640}, {"aux_layer_ids": [1, 3, 5], "num_layers": 3}),
+    ],
+    ids=["1-layer", "2-layers-3-aux", "narrow-mlp", "other-target"],
+)
+def test_the_models_parameter_counts_are_those_of_a_real_drafter(
+    tmp_path, make_config, target_shape, drafter
+):
+    """Shapes' counts against `numel` of a drafter built by build_drafter (speculators' DFlash model),
+    not against the model's own arithmetic: trainable = the parameters that require grad, frozen = the
+    distinct frozen tensors (lm_head and verifier_lm_head share one)."""
+    import torch
+
+    from trainer.demo.synth import tiny_target
+    from trainer.drafter import build_drafter
+
+    overrides = []
+    if target_shape:
+        target = tiny_target(tmp_path / "target", **target_shape)
+        overrides = [f"target.path={target}"]
+    cfg = load_config(make_config(drafter={"mask_token_id": 3, **drafter}), overrides)
+    model = build_drafter(cfg, torch.device("cpu"))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen = {p.data_ptr(): p.numel() for p in model.parameters() if not p.requires_grad}
+    shapes = TargetInfo.from_folder(Path(cfg.target.path)).shapes(cfg)
+    assert shapes.drafter_trainable == trainable
+    assert shapes.drafter_frozen == sum(frozen.values())
