@@ -52,23 +52,41 @@ class Runner:
     def __init__(self, workdir: Path):
         self.workdir = workdir
 
-    def run(self, playbook: str, inventory: Path, limit: str | None = None, extravars: dict | None = None,
-            check: bool = False, tags: str | None = None):
+    def run(
+        self,
+        playbook: str,
+        inventory: Path,
+        limit: str | None = None,
+        extravars: dict | None = None,
+        check: bool = False,
+        tags: str | None = None,
+    ):
         import ansible_runner
 
-        env = {"PATH": f"{VENV_BIN}:{os.environ['PATH']}", "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
-               "ANSIBLE_ROLES_PATH": str(REPO / "roles"), "HF_HUB_OFFLINE": "1",
-               # ansible-runner turns host key checking off unless told: keep it on, as ansible.cfg says
-               "ANSIBLE_HOST_KEY_CHECKING": "True",
-               "ANSIBLE_NOCOLOR": "1", "ANSIBLE_FORCE_COLOR": "0"}
+        env = {
+            "PATH": f"{VENV_BIN}:{os.environ['PATH']}",
+            "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
+            "ANSIBLE_ROLES_PATH": str(REPO / "roles"),
+            "HF_HUB_OFFLINE": "1",
+            # ansible-runner turns host key checking off unless told: keep it on, as ansible.cfg says
+            "ANSIBLE_HOST_KEY_CHECKING": "True",
+            "ANSIBLE_NOCOLOR": "1",
+            "ANSIBLE_FORCE_COLOR": "0",
+        }
         cmdline = "--check" if check else None
         pdir = self.workdir / f"runner-{len(list(self.workdir.glob('runner-*')))}"
         pdir.mkdir(parents=True)
         r = ansible_runner.run(
             private_data_dir=str(pdir),
             playbook=str(REPO / "playbooks" / playbook) if not Path(playbook).is_absolute() else playbook,
-            inventory=str(inventory), limit=limit, extravars=extravars or {}, envvars=env, cmdline=cmdline,
-            tags=tags, quiet=True, project_dir=str(REPO),
+            inventory=str(inventory),
+            limit=limit,
+            extravars=extravars or {},
+            envvars=env,
+            cmdline=cmdline,
+            tags=tags,
+            quiet=True,
+            project_dir=str(REPO),
         )
         return Result(r)
 
@@ -85,22 +103,42 @@ class Result:
         return self.stats.get("changed", {}).get(host, 0)
 
     def changed_tasks(self, host: str | None = None) -> list[str]:
-        return [e["event_data"].get("task") for e in self.events if e.get("event") == "runner_on_ok"
-                and e["event_data"].get("res", {}).get("changed") and (host is None or e["event_data"].get("host") == host)]
+        return [
+            e["event_data"].get("task")
+            for e in self.events
+            if e.get("event") == "runner_on_ok"
+            and e["event_data"].get("res", {}).get("changed")
+            and (host is None or e["event_data"].get("host") == host)
+        ]
 
     def task_results(self, task: str, host: str | None = None) -> list[dict]:
-        return [e["event_data"].get("res") or {"skipped": e.get("event") == "runner_on_skipped"} for e in self.events
-                if e.get("event") in ("runner_on_ok", "runner_on_failed", "runner_on_skipped")
-                and e["event_data"].get("task") == task and (host is None or e["event_data"].get("host") == host)]
+        return [
+            e["event_data"].get("res") or {"skipped": e.get("event") == "runner_on_skipped"}
+            for e in self.events
+            if e.get("event") in ("runner_on_ok", "runner_on_failed", "runner_on_skipped")
+            and e["event_data"].get("task") == task
+            and (host is None or e["event_data"].get("host") == host)
+        ]
 
     def failures(self) -> list[dict]:
         """Failed tasks with what explains them (for assertion messages)."""
         out = []
         for e in self.events:
-            if e.get("event") in ("runner_on_failed", "runner_on_unreachable") and not e["event_data"].get("ignore_errors"):
+            if e.get("event") in ("runner_on_failed", "runner_on_unreachable") and not e["event_data"].get(
+                "ignore_errors"
+            ):
                 res = e["event_data"].get("res", {})
-                out.append({"task": e["event_data"].get("task"), "host": e["event_data"].get("host"),
-                            **{k: str(res.get(k))[-1500:] for k in ("msg", "rc", "stderr", "stdout", "cmd") if k in res}})
+                out.append(
+                    {
+                        "task": e["event_data"].get("task"),
+                        "host": e["event_data"].get("host"),
+                        **{
+                            k: str(res.get(k))[-1500:]
+                            for k in ("msg", "rc", "stderr", "stdout", "cmd")
+                            if k in res
+                        },
+                    }
+                )
         return out
 
     def __repr__(self) -> str:
@@ -115,8 +153,12 @@ ROLE_PLAYBOOK = str(Path(__file__).parent / "playbooks" / "role.yml")
 
 @pytest.fixture(scope="session")
 def provision_vars(wheel_cache, repo_snapshot):
-    return {"python_env_wheel_cache": str(wheel_cache), "python_env_python": "system",
-            "python_env_torch_kind": "cpu", "python_env_repo": str(repo_snapshot)}
+    return {
+        "python_env_wheel_cache": str(wheel_cache),
+        "python_env_python": "system",
+        "python_env_torch_kind": "cpu",
+        "python_env_repo": str(repo_snapshot),
+    }
 
 
 @pytest.fixture(scope="session")
@@ -137,7 +179,9 @@ def systemd_host(bed, provision_vars, tmp_path_factory):
     host = bed.add_systemd_host("sysd")
     work = tmp_path_factory.mktemp("provision-sysd")
     inv = bed.inventory(work / "inv.yml")
-    res = Runner(work).run(ROLE_PLAYBOOK, inv, limit="sysd", extravars={"test_role": "python_env", **provision_vars})
+    res = Runner(work).run(
+        ROLE_PLAYBOOK, inv, limit="sysd", extravars={"test_role": "python_env", **provision_vars}
+    )
     assert res.ok(), res.stdout[-4000:]
     return host
 

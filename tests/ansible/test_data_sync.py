@@ -26,8 +26,11 @@ def make_tree(root: Path, big_mb: int = 4) -> Path:
 
 
 def digests(root: Path) -> dict[str, str]:
-    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file() and ".rsync-partial" not in p.parts}
+    return {
+        p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and ".rsync-partial" not in p.parts
+    }
 
 
 def test_push_is_verified_idempotent_and_repairs(bed, provisioned, runner, tmp_path):
@@ -35,8 +38,11 @@ def test_push_is_verified_idempotent_and_repairs(bed, provisioned, runner, tmp_p
     host = bed.hosts["node-a"]
     dest = host.root / "data" / "tokenized"
     inv = bed.inventory(tmp_path / "inv.yml")
-    ev = {"test_role": "data_sync", "data_sync_manifest_dir": str(tmp_path / "manifests"),
-          "data_sync_items": [{"name": "tokenized", "src": str(src), "dest": str(dest)}]}
+    ev = {
+        "test_role": "data_sync",
+        "data_sync_manifest_dir": str(tmp_path / "manifests"),
+        "data_sync_items": [{"name": "tokenized", "src": str(src), "dest": str(dest)}],
+    }
     first = runner.run(ROLE, inv, limit="node-a", extravars=ev)
     assert first.ok(), first.stdout[-3000:]
     assert digests(dest) == digests(src)
@@ -52,7 +58,9 @@ def test_push_is_verified_idempotent_and_repairs(bed, provisioned, runner, tmp_p
     (dest / "state.json").unlink()
     third = runner.run(ROLE, inv, limit="node-a", extravars=ev)
     assert third.ok(), third.stdout[-3000:]
-    before = third.task_results("Check the host's copy against the manifest: tokenized", "node-a")[0]["stdout"]
+    before = third.task_results("Check the host's copy against the manifest: tokenized", "node-a")[0][
+        "stdout"
+    ]
     assert '"missing": ["state.json"]' in before and "shards/train/part-1.arrow" in before
     assert third.changed_tasks("node-a") == ["Copy what is missing or different (resumable): tokenized"]
     assert digests(dest) == digests(src)
@@ -67,14 +75,30 @@ def test_transfer_killed_midway_then_rerun_completes(bed, provisioned, tmp_path)
     host = bed.hosts["node-b"]
     dest = host.root / "target"
     inv = bed.inventory(tmp_path / "inv.yml")
-    extra = (f'{{"test_role": "data_sync", "data_sync_manifest_dir": "{tmp_path}/manifests", '
-             f'"data_sync_bwlimit_kbps": 32768, '
-             f'"data_sync_items": [{{"name": "target", "src": "{src}", "dest": "{dest}"}}]}}')
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-           "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "ANSIBLE_HOST_KEY_CHECKING": "True"}
-    cmd = [str(Path(sys.executable).parent / "ansible-playbook"), "-i", str(inv), "-l", "node-b", "-e", extra, ROLE]
-    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    extra = (
+        f'{{"test_role": "data_sync", "data_sync_manifest_dir": "{tmp_path}/manifests", '
+        f'"data_sync_bwlimit_kbps": 32768, '
+        f'"data_sync_items": [{{"name": "target", "src": "{src}", "dest": "{dest}"}}]}}'
+    )
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+        "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
+        "ANSIBLE_HOST_KEY_CHECKING": "True",
+    }
+    cmd = [
+        str(Path(sys.executable).parent / "ansible-playbook"),
+        "-i",
+        str(inv),
+        "-l",
+        "node-b",
+        "-e",
+        extra,
+        ROLE,
+    ]
+    proc = subprocess.Popen(
+        cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     partial = dest / ".rsync-partial" / "model.safetensors"
     deadline = time.monotonic() + 240
     landed = 0
@@ -118,12 +142,26 @@ def test_host_to_host_relay_through_the_controller(bed, provisioned, runner, tmp
     stage = tmp_path / "stage" / "ckpt"
     dest = b.root / "ckpt-copy"
     inv = bed.inventory(tmp_path / "inv.yml")
-    pull = runner.run(ROLE, inv, limit="node-a", extravars={
-        "test_role": "data_sync", "data_sync_items": [{"name": "ckpt", "src": str(src), "dest": str(stage), "direction": "pull"}]})
+    pull = runner.run(
+        ROLE,
+        inv,
+        limit="node-a",
+        extravars={
+            "test_role": "data_sync",
+            "data_sync_items": [{"name": "ckpt", "src": str(src), "dest": str(stage), "direction": "pull"}],
+        },
+    )
     assert pull.ok(), pull.stdout[-3000:]
-    push = runner.run(ROLE, inv, limit="node-b", extravars={
-        "test_role": "data_sync", "data_sync_manifest_dir": str(tmp_path / "manifests"),
-        "data_sync_items": [{"name": "ckpt", "src": str(stage), "dest": str(dest)}]})
+    push = runner.run(
+        ROLE,
+        inv,
+        limit="node-b",
+        extravars={
+            "test_role": "data_sync",
+            "data_sync_manifest_dir": str(tmp_path / "manifests"),
+            "data_sync_items": [{"name": "ckpt", "src": str(stage), "dest": str(dest)}],
+        },
+    )
     assert push.ok(), push.stdout[-3000:]
     assert digests(dest) == digests(src)
     assert (a.root / "ckpt-src.manifest.json").is_file()  # the source host's own manifest proves the chain
@@ -137,16 +175,35 @@ def test_s3_to_host_from_a_real_s3_server(bed, provisioned, runner, rgw, tmp_pat
     from tests.s3servers import TEST_ACCESS_KEY, TEST_SECRET_KEY, s3_env
 
     src = make_tree(tmp_path / "tok", big_mb=2)
-    up = subprocess.run([str(Path(sys.executable).parent / "dflash"), "s3", "push", str(src), "s3://salvage/data/tok",
-                         "--endpoint-url", rgw.endpoint_url, "--no-progress"], env=s3_env(), capture_output=True, text=True,
-                        check=False)
+    up = subprocess.run(
+        [
+            str(Path(sys.executable).parent / "dflash"),
+            "s3",
+            "push",
+            str(src),
+            "s3://salvage/data/tok",
+            "--endpoint-url",
+            rgw.endpoint_url,
+            "--no-progress",
+        ],
+        env=s3_env(),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert up.returncode == 0, up.stderr
     host = bed.hosts["node-a"]
     dest = host.root / "data" / "tok"
     inv = bed.inventory(tmp_path / "inv.yml")
-    ev = {"test_role": "data_sync", "dflash_s3_endpoint_url": f"http://{gateway(host)}:{rgw.port}",
-          "vault_s3_access_key_id": TEST_ACCESS_KEY, "vault_s3_secret_access_key": TEST_SECRET_KEY,
-          "data_sync_items": [{"name": "tok", "src": "s3://salvage/data/tok", "dest": str(dest), "direction": "s3"}]}
+    ev = {
+        "test_role": "data_sync",
+        "dflash_s3_endpoint_url": f"http://{gateway(host)}:{rgw.port}",
+        "vault_s3_access_key_id": TEST_ACCESS_KEY,
+        "vault_s3_secret_access_key": TEST_SECRET_KEY,
+        "data_sync_items": [
+            {"name": "tok", "src": "s3://salvage/data/tok", "dest": str(dest), "direction": "s3"}
+        ],
+    }
     dry = runner.run(ROLE, inv, limit="node-a", extravars=ev, check=True)
     assert dry.ok() and dry.changed("node-a") == 1 and not dest.exists(), dry
     first = runner.run(ROLE, inv, limit="node-a", extravars=ev)
@@ -162,11 +219,29 @@ def test_s3_to_host_from_a_real_s3_server(bed, provisioned, runner, rgw, tmp_pat
     victim.write_bytes(bytes(data))
     third = runner.run(ROLE, inv, limit="node-a", extravars=ev)
     assert third.ok(), third
-    report = json.loads(third.task_results("Download from S3, resumable, every file proven by sha256: tok", "node-a")[0]["stdout"])
+    report = json.loads(
+        third.task_results("Download from S3, resumable, every file proven by sha256: tok", "node-a")[0][
+            "stdout"
+        ]
+    )
     assert report["downloaded"] == 1 and report["present"] == 4, report
     assert digests(dest) == digests(src)
 
-    bad = runner.run(ROLE, inv, limit="node-a", extravars={**ev, "data_sync_items": [
-        {"name": "loose", "src": "s3://salvage/nothing-here", "dest": str(host.root / "loose"), "direction": "s3"}]})
+    bad = runner.run(
+        ROLE,
+        inv,
+        limit="node-a",
+        extravars={
+            **ev,
+            "data_sync_items": [
+                {
+                    "name": "loose",
+                    "src": "s3://salvage/nothing-here",
+                    "dest": str(host.root / "loose"),
+                    "direction": "s3",
+                }
+            ],
+        },
+    )
     assert not bad.ok() and "MANIFEST.json does not exist" in json.dumps(bad.failures())
     assert not (host.root / "loose").exists()

@@ -1,16 +1,23 @@
 """python_env on real SSH hosts: uv from its PyPI wheel, a venv with the CPU recipe, the trainer package,
 all installed from the controller's wheel cache (--no-index: the hosts download nothing)."""
 
+from pathlib import Path
+
 from tests.ansible.conftest import ROLE_PLAYBOOK as ROLE
 
 
-def test_python_env_installs_the_trainer_from_the_wheel_cache(bed, provisioned, provision_vars, runner, wheel_cache,
-                                                               repo_snapshot, tmp_path):
+def test_python_env_installs_the_trainer_from_the_wheel_cache(
+    bed, provisioned, provision_vars, runner, wheel_cache, repo_snapshot, tmp_path
+):
     assert provisioned.ok()
     for host in bed.hosts.values():
         venv = host.root / "venv"
         # the venv is real and works over SSH: the CLI answers and torch is the CPU build from the cache
-        r = host.ssh(bed, f"{venv}/bin/dflash plan --help && {venv}/bin/python -c 'import torch, trainer; print(torch.__version__)'")
+        r = host.ssh(
+            bed,
+            f"{venv}/bin/dflash plan --help && {venv}/bin/python -c 'import torch, trainer; "
+            "print(torch.__version__)'",
+        )
         assert "--target-config" in r.stdout and "2.13.0+cpu" in r.stdout
         assert (host.root / "wheels" / next(p.name for p in wheel_cache.glob("torch-*.whl"))).is_file()
     inv = bed.inventory(tmp_path / "inv.yml")
@@ -22,19 +29,25 @@ def test_python_env_installs_the_trainer_from_the_wheel_cache(bed, provisioned, 
     # install, which a command cannot dry-run: reported as skipped)
     check = runner.run(ROLE, inv, limit="node-a", extravars=ev, check=True)
     assert check.ok() and check.changed("node-a") == 0, check.changed_tasks()
-    with open(repo_snapshot / "trainer" / "plan.py", "a") as fh:
+    plan = Path("trainer") / "layout" / "plan.py"
+    with open(repo_snapshot / plan, "a") as fh:
         fh.write("\nTEST_MARKER = 1\n")
     try:
         check = runner.run(ROLE, inv, limit="node-a", extravars=ev, check=True)
-        assert check.ok() and "TEST_MARKER" not in (host.root / "src" / "trainer" / "plan.py").read_text()
-        assert check.changed_tasks("node-a") == ["Push the trainer's source (pyproject.toml, trainer/, requirements/)"]
-        assert check.task_results("Install the trainer package from the synced source", "node-a")[0].get("skipped")
+        assert check.ok() and "TEST_MARKER" not in (host.root / "src" / plan).read_text()
+        assert check.changed_tasks("node-a") == [
+            "Push the trainer's source (pyproject.toml, trainer/, requirements/)"
+        ]
+        assert check.task_results("Install the trainer package from the synced source", "node-a")[0].get(
+            "skipped"
+        )
         third = runner.run(ROLE, inv, limit="node-a", extravars=ev)
         assert third.ok() and third.changed_tasks("node-a") == [
             "Push the trainer's source (pyproject.toml, trainer/, requirements/)",
-            "Install the trainer package from the synced source"]
+            "Install the trainer package from the synced source",
+        ]
         r = host.ssh(bed, f"{venv}/bin/python -c 'import trainer.layout.plan as p; print(p.TEST_MARKER)'")
         assert r.stdout.strip() == "1"  # the installed package is the new source
     finally:
-        text = (repo_snapshot / "trainer" / "plan.py").read_text().replace("\nTEST_MARKER = 1\n", "")
-        (repo_snapshot / "trainer" / "plan.py").write_text(text)
+        text = (repo_snapshot / plan).read_text().replace("\nTEST_MARKER = 1\n", "")
+        (repo_snapshot / plan).write_text(text)

@@ -1,6 +1,6 @@
-"""playbooks/salvage.yml on a real SSH test host (#5's testbed): a real trainer (tiny model, the host's
-venv) and a fake long-running "sglang" server run on node-a; --check changes nothing; the play stops
-only the trainer (final checkpoint verified), collects, fetches the set to the controller (verified
+"""playbooks/salvage.yml on a real SSH test host (tests/ansible/testbed.py): a real trainer (tiny model,
+the host's venv) and a fake long-running "sglang" server run on node-a; --check changes nothing; the play
+stops only the trainer (final checkpoint verified), collects, fetches the set to the controller (verified
 against its manifest), pushes it from the controller to a real S3 server (Ceph radosgw on the
 controller's 127.0.0.1, which the host's network namespace cannot reach), verifies by read-back and
 writes NOTES.md; a second run changes nothing; the credentials appear in no output."""
@@ -30,9 +30,20 @@ FAST = {"max_tokens_per_batch": 256, "max_anchors": 32, "lr": 1.0e-3, "warmup_st
 @pytest.fixture(scope="module")
 def finished_tiny_run(tmp_path_factory, tiny_target, tiny_data) -> Path:
     root = tmp_path_factory.mktemp("done")
-    cfg = write_config(root / "run.yaml", tiny_target, tiny_data, root / "run", train={**FAST, "max_steps": 4, "checkpoint_every": 2})
-    res = subprocess.run([sys.executable, "-m", "trainer.cli", "train", "--config", str(cfg)], capture_output=True, text=True,
-                         check=False, env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
+    cfg = write_config(
+        root / "run.yaml",
+        tiny_target,
+        tiny_data,
+        root / "run",
+        train={**FAST, "max_steps": 4, "checkpoint_every": 2},
+    )
+    res = subprocess.run(
+        [sys.executable, "-m", "trainer.cli", "train", "--config", str(cfg)],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"},
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     return root / "run"
 
@@ -45,32 +56,56 @@ def test_salvage_playbook_on_a_real_host(bed, provisioned, runner, rgw, tiny_tar
     host = bed.hosts["node-a"]
     venv = host.root / "venv"
     out = host.root / "runs" / "main"
-    cfg = write_config(host.root / "run.yaml", tiny_target, tiny_data, out,
-                       train={**FAST, "max_steps": 100000, "checkpoint_every": 3})
+    cfg = write_config(
+        host.root / "run.yaml",
+        tiny_target,
+        tiny_data,
+        out,
+        train={**FAST, "max_steps": 100000, "checkpoint_every": 3},
+    )
     # start the work on the host over SSH, detached, as someone would in tmux
-    host.ssh(bed, f"cd {host.root}; HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 setsid nohup {venv}/bin/dflash train "
-                  f"--config {cfg} > train.out 2>&1 < /dev/null &")
+    host.ssh(
+        bed,
+        f"cd {host.root}; HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 setsid nohup {venv}/bin/dflash train "
+        f"--config {cfg} > train.out 2>&1 < /dev/null &",
+    )
     fake = host.root / "fakepkgs" / "sglang"
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text("")
     (fake / "launch_server.py").write_text("import time\nwhile True:\n    time.sleep(1)\n")
-    host.ssh(bed, f"cd {host.root}; PYTHONPATH={host.root}/fakepkgs setsid nohup /usr/bin/python3 -m "
-                  "sglang.launch_server --model-path /models/none > sglang.out 2>&1 < /dev/null &")
+    host.ssh(
+        bed,
+        f"cd {host.root}; PYTHONPATH={host.root}/fakepkgs setsid nohup /usr/bin/python3 -m "
+        "sglang.launch_server --model-path /models/none > sglang.out 2>&1 < /dev/null &",
+    )
     end = time.monotonic() + 240
     while time.monotonic() < end and len(_events(out, "checkpoint")) < 2:
         time.sleep(0.2)
     assert len(_events(out, "checkpoint")) >= 2, (host.root / "train.out").read_text()[-3000:]
     trainer_pid = _events(out, "run_start")[-1]["pid"]
-    sglang_pid = int(host.ssh(bed, "pgrep -f 'sglang.launch_server --model-path /models/none' | head -1").stdout)
+    sglang_pid = int(
+        host.ssh(bed, "pgrep -f 'sglang.launch_server --model-path /models/none' | head -1").stdout
+    )
 
     fetch = tmp_path / "fetched"
-    inv = bed.inventory(tmp_path / "inv.yml", extra_hostvars={"node-a": {"salvage_run_dir": str(out)}}, group_vars={
-        "dflash_s3_bucket": "salvage", "dflash_s3_prefix": "role", "dflash_s3_endpoint_url": rgw.endpoint_url,
-        "salvage_push_from": "controller", "salvage_fetch_dir": str(fetch),
-        "salvage_controller_dflash": str(Path(sys.executable).parent / "dflash"), "salvage_stop_timeout_s": 180})
+    inv = bed.inventory(
+        tmp_path / "inv.yml",
+        extra_hostvars={"node-a": {"salvage_run_dir": str(out)}},
+        group_vars={
+            "dflash_s3_bucket": "salvage",
+            "dflash_s3_prefix": "role",
+            "dflash_s3_endpoint_url": rgw.endpoint_url,
+            "salvage_push_from": "controller",
+            "salvage_fetch_dir": str(fetch),
+            "salvage_controller_dflash": str(Path(sys.executable).parent / "dflash"),
+            "salvage_stop_timeout_s": 180,
+        },
+    )
     secrets = {"vault_s3_access_key_id": TEST_ACCESS_KEY, "vault_s3_secret_access_key": TEST_SECRET_KEY}
     s3c = client(rgw.endpoint_url)
-    alive = lambda pid: subprocess.run(["kill", "-0", str(pid)], check=False).returncode == 0
+
+    def alive(pid):
+        return subprocess.run(["kill", "-0", str(pid)], check=False).returncode == 0
 
     check = runner.run("salvage.yml", inv, limit="node-a", extravars=secrets, check=True)
     assert check.ok(), check.stdout[-4000:]
@@ -94,7 +129,10 @@ def test_salvage_playbook_on_a_real_host(bed, provisioned, runner, rgw, tiny_tar
     assert "**Verdict: the node can go.**" in notes and "sglang" in notes
     assert f"with final checkpoint {final['name']}" in notes
     keys = {o["Key"] for o in s3c.list_objects_v2(Bucket="salvage", Prefix="role/node-a/")["Contents"]}
-    assert f"role/node-a/run/checkpoints/{final['name']}/model.safetensors" in keys and "role/node-a/NOTES.md" in keys
+    assert (
+        f"role/node-a/run/checkpoints/{final['name']}/model.safetensors" in keys
+        and "role/node-a/NOTES.md" in keys
+    )
     verify = json.loads((fetched / ".salvage" / "verify.json").read_text())
     assert verify["ok"] and all(c["ok"] for c in verify["load"]["checkpoints"].values())
 
@@ -116,16 +154,32 @@ def test_salvage_playbook_pushing_from_the_node(bed, provisioned, runner, rgw, f
     out = host.root / "runs" / "done"
     shutil.copytree(finished_tiny_run, out)
     endpoint = f"http://{gateway(host)}:{rgw.port}"
-    inv = bed.inventory(tmp_path / "inv.yml", extra_hostvars={"node-b": {"salvage_run_dir": str(out)}}, group_vars={
-        "dflash_s3_bucket": "salvage", "dflash_s3_prefix": "role-node", "dflash_s3_endpoint_url": endpoint})
+    inv = bed.inventory(
+        tmp_path / "inv.yml",
+        extra_hostvars={"node-b": {"salvage_run_dir": str(out)}},
+        group_vars={
+            "dflash_s3_bucket": "salvage",
+            "dflash_s3_prefix": "role-node",
+            "dflash_s3_endpoint_url": endpoint,
+        },
+    )
     secrets = {"vault_s3_access_key_id": TEST_ACCESS_KEY, "vault_s3_secret_access_key": TEST_SECRET_KEY}
     res = runner.run("salvage.yml", inv, limit="node-b", extravars=secrets)
     assert res.ok(), res.stdout[-6000:]
     notes = (host.root / "salvage" / "NOTES.md").read_text()
     assert "**Verdict: the node can go.**" in notes and "not_running" in notes
     assert "s3://salvage/role-node/node-b/" in notes
-    keys = {o["Key"] for o in client(rgw.endpoint_url).list_objects_v2(Bucket="salvage", Prefix="role-node/node-b/")["Contents"]}
-    assert {"role-node/node-b/MANIFEST.json", "role-node/node-b/NOTES.md", "role-node/node-b/run/events.jsonl"} <= keys
+    keys = {
+        o["Key"]
+        for o in client(rgw.endpoint_url).list_objects_v2(Bucket="salvage", Prefix="role-node/node-b/")[
+            "Contents"
+        ]
+    }
+    assert {
+        "role-node/node-b/MANIFEST.json",
+        "role-node/node-b/NOTES.md",
+        "role-node/node-b/run/events.jsonl",
+    } <= keys
     assert not (host.root / ".salvage-aws-credentials").exists()
     text = res.stdout + json.dumps(res.events, default=str)
     assert TEST_SECRET_KEY not in text and TEST_ACCESS_KEY not in text

@@ -21,12 +21,18 @@ def prop(bed, host, name):
     return host.ssh(bed, f"systemctl show -P {name} dflash-train").stdout.strip()
 
 
-def test_systemd_unit_is_hardened_restarts_after_kill_9_and_resumes(bed, systemd_host, provision_vars, runner, tmp_path):
+def test_systemd_unit_is_hardened_restarts_after_kill_9_and_resumes(
+    bed, systemd_host, provision_vars, runner, tmp_path
+):
     host = systemd_host
     cfg = prepare_tiny_run(bed, host)
     inv = bed.inventory(tmp_path / "inv.yml")
-    ev = {"test_role": "trainer_service", "trainer_service_run_config": cfg, "trainer_service_run_name": "tiny",
-          **provision_vars}
+    ev = {
+        "test_role": "trainer_service",
+        "trainer_service_run_config": cfg,
+        "trainer_service_run_name": "tiny",
+        **provision_vars,
+    }
     first = runner.run(ROLE, inv, limit="sysd", extravars=ev)
     assert first.ok(), "\n".join(str(f) for f in first.failures())
     # the unit, checked again here by hand: no warning at all, exposure <= 5
@@ -38,7 +44,9 @@ def test_systemd_unit_is_hardened_restarts_after_kill_9_and_resumes(bed, systemd
     assert prop(bed, host, "User") == "dflash" and prop(bed, host, "KillMode") == "mixed"
     assert int(prop(bed, host, "TimeoutStopUSec").rstrip("s") or 0) if False else True
     try:
-        wait_for(lambda: any(e["event"] == "checkpoint" for e in events(bed, host)), what="a first checkpoint")
+        wait_for(
+            lambda: any(e["event"] == "checkpoint" for e in events(bed, host)), what="a first checkpoint"
+        )
     except AssertionError:
         journal = host.ssh(bed, "journalctl -u dflash-train --no-pager -o cat | tail -40", check=False).stdout
         raise AssertionError(f"no checkpoint; the unit's journal:\n{journal}") from None
@@ -48,10 +56,14 @@ def test_systemd_unit_is_hardened_restarts_after_kill_9_and_resumes(bed, systemd
     pid = int(prop(bed, host, "MainPID"))
     assert pid == [e for e in events(bed, host) if e["event"] == "run_start"][-1]["pid"] or pid > 0
     host.ssh(bed, f"kill -9 {pid}")
-    wait_for(lambda: prop(bed, host, "NRestarts") == "1" and prop(bed, host, "ActiveState") == "active",
-             what="systemd to restart the trainer")
-    starts = wait_for(lambda: [e for e in events(bed, host) if e["event"] == "run_start" and e.get("resumed_from")],
-                      what="a resumed run_start")
+    wait_for(
+        lambda: prop(bed, host, "NRestarts") == "1" and prop(bed, host, "ActiveState") == "active",
+        what="systemd to restart the trainer",
+    )
+    starts = wait_for(
+        lambda: [e for e in events(bed, host) if e["event"] == "run_start" and e.get("resumed_from")],
+        what="a resumed run_start",
+    )
     assert starts[-1]["start_step"] > 0
     # the journal has the trainer's own lines (logs go to the journal and to the run dir)
     j = host.ssh(bed, "journalctl -u dflash-train --no-pager -o cat", check=False).stdout

@@ -15,7 +15,11 @@ from trainer.events import load_events
 def prepare_tiny_run(bed, host, steps=2000, every=10):
     """`dflash demo --tiny --prepare-only` on the host: a random tiny target, its own data, a run config."""
     venv = host.root / "venv"
-    r = host.ssh(bed, f"HF_HUB_OFFLINE=1 {venv}/bin/dflash demo --tiny --prepare-only --out {host.root}/demo --steps {steps}")
+    r = host.ssh(
+        bed,
+        f"HF_HUB_OFFLINE=1 {venv}/bin/dflash demo --tiny --prepare-only --out {host.root}/demo --steps "
+        f"{steps}",
+    )
     cfg = json.loads(r.stdout.strip().splitlines()[-1])["run_config"]
     cfg.pop("out_dir")
     cfg["train"].update({"checkpoint_every": every, "keep_checkpoints": 2})
@@ -41,13 +45,20 @@ def checkpoints(out: Path):
     return [e for e in load_events(out / "events.jsonl") if e["event"] == "checkpoint"]
 
 
-def test_supervisord_runs_one_trainer_restarts_it_after_kill_9_and_it_resumes(bed, provisioned, provision_vars,
-                                                                              runner, tmp_path):
+def test_supervisord_runs_one_trainer_restarts_it_after_kill_9_and_it_resumes(
+    bed, provisioned, provision_vars, runner, tmp_path
+):
     host = bed.hosts["node-a"]
     cfg = prepare_tiny_run(bed, host)
     inv = bed.inventory(tmp_path / "inv.yml")
-    ev = {"test_role": "trainer_service", "trainer_service_run_config": cfg, "trainer_service_run_name": "tiny",
-          "trainer_service_user": "root", "trainer_service_create_user": False, **provision_vars}
+    ev = {
+        "test_role": "trainer_service",
+        "trainer_service_run_config": cfg,
+        "trainer_service_run_name": "tiny",
+        "trainer_service_user": "root",
+        "trainer_service_create_user": False,
+        **provision_vars,
+    }
     first = runner.run(ROLE, inv, limit="node-a", extravars=ev)
     assert first.ok(), first.failures()
     out = host.root / "runs" / "tiny" / "out"
@@ -57,13 +68,17 @@ def test_supervisord_runs_one_trainer_restarts_it_after_kill_9_and_it_resumes(be
         # a second run of the play changes nothing and starts no second trainer
         second = runner.run(ROLE, inv, limit="node-a", extravars=ev)
         assert second.ok() and second.changed("node-a") == 0, second.changed_tasks()
-        trainers = host.ssh(bed, f"pgrep -f -- '[t]rain --config {host.root}/runs/tiny/config.yaml'", check=False).stdout.split()
+        trainers = host.ssh(
+            bed, f"pgrep -f -- '[t]rain --config {host.root}/runs/tiny/config.yaml'", check=False
+        ).stdout.split()
         assert len(trainers) == 1, trainers
         pid = int(host.ssh(bed, f"{ctl} pid dflash-train").stdout)
         assert pid == int(trainers[0]) == run_starts(out)[-1]["pid"]
         os.kill(pid, signal.SIGKILL)
         # supervisord restarts it; the new process resumes from the newest verified checkpoint
-        started = wait_for(lambda: [e for e in run_starts(out) if e["pid"] != pid], what="a restarted trainer")
+        started = wait_for(
+            lambda: [e for e in run_starts(out) if e["pid"] != pid], what="a restarted trainer"
+        )
         assert started[-1]["resumed_from"] is not None and started[-1]["start_step"] > 0
         assert "RUNNING" in host.ssh(bed, f"{ctl} status dflash-train", check=False).stdout
         log = (host.root / "runs" / "tiny" / "service.log").read_text()

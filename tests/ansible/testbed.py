@@ -7,7 +7,8 @@ CLI below) and bench/sync.py. Needs root, iproute2, openssh-server (requirements
 creates is removed by `Testbed.close()` (namespaces, veth links, sshd processes it started).
 
 CLI (the hosts outlive the command; DIR/state.json records what `down` removes):
-    python -m tests.ansible.testbed up --dir DIR [--names node-a node-b] [--inventory PATH] [--var KEY=VALUE ...]
+    python -m tests.ansible.testbed up --dir DIR [--names node-a node-b] [--inventory PATH]
+        [--var KEY=VALUE ...]
     python -m tests.ansible.testbed down --dir DIR      (idempotent: nothing recorded, nothing to do)"""
 
 from __future__ import annotations
@@ -49,7 +50,10 @@ class Host:
         """Run `command` on the host over real SSH (the same key and known_hosts Ansible uses)."""
         return subprocess.run(
             ["ssh", *bed.ssh_options(), "-p", str(self.port), f"root@{self.addr}", command],
-            capture_output=True, text=True, check=check, timeout=300,
+            capture_output=True,
+            text=True,
+            check=check,
+            timeout=300,
         )
 
     @property
@@ -73,8 +77,20 @@ class Testbed:
         return self.workdir / "known_hosts"
 
     def ssh_options(self) -> list[str]:
-        return ["-i", str(self.key), "-o", "IdentitiesOnly=yes", "-o", f"UserKnownHostsFile={self.known_hosts}",
-                "-o", "StrictHostKeyChecking=yes", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10"]
+        return [
+            "-i",
+            str(self.key),
+            "-o",
+            "IdentitiesOnly=yes",
+            "-o",
+            f"UserKnownHostsFile={self.known_hosts}",
+            "-o",
+            "StrictHostKeyChecking=yes",
+            "-o",
+            "BatchMode=yes",
+            "-o",
+            "ConnectTimeout=10",
+        ]
 
     def ssh_common_args(self) -> str:
         return " ".join(self.ssh_options()[2:])  # the key goes in ansible_ssh_private_key_file
@@ -83,7 +99,11 @@ class Testbed:
 
     def add_host(self, name: str, port: int) -> Host:
         tag = f"{os.getpid() % 100000}{len(self.hosts)}"
-        taken = {line.split()[0] for line in _run("ip", "netns", "list", check=False).stdout.splitlines() if line.strip()}
+        taken = {
+            line.split()[0]
+            for line in _run("ip", "netns", "list", check=False).stdout.splitlines()
+            if line.strip()
+        }
         while f"dflash5-{tag}" in taken:  # the CLI's pid may be reused by a later `up` while these hosts run
             tag = f"{random.randint(0, 99999)}{len(self.hosts)}"
         ns = f"dflash5-{tag}"
@@ -99,22 +119,35 @@ class Testbed:
         _run("ip", "addr", "add", f"10.200.{third}.1/24", "dev", veth)
         _run("ip", "link", "set", veth, "up")
         addr = f"10.200.{third}.2"
-        for cmd in (("ip", "addr", "add", f"{addr}/24", "dev", peer), ("ip", "link", "set", peer, "up"),
-                    ("ip", "link", "set", "lo", "up")):
+        for cmd in (
+            ("ip", "addr", "add", f"{addr}/24", "dev", peer),
+            ("ip", "link", "set", peer, "up"),
+            ("ip", "link", "set", "lo", "up"),
+        ):
             _run("ip", "netns", "exec", ns, *cmd)
         _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(hdir / "ssh_host_ed25519_key"))
         shutil.copy(self.key.with_suffix(".pub"), hdir / "authorized_keys")
         cfg = hdir / "sshd_config"
         cfg.write_text(
-            f"Port {port}\nListenAddress {addr}\nHostKey {hdir}/ssh_host_ed25519_key\nPidFile {hdir}/sshd.pid\n"
+            f"Port {port}\nListenAddress {addr}\nHostKey {hdir}/ssh_host_ed25519_key\nPidFile "
+            f"{hdir}/sshd.pid\n"
             f"AuthorizedKeysFile {hdir}/authorized_keys\nPermitRootLogin prohibit-password\n"
             "PasswordAuthentication no\nKbdInteractiveAuthentication no\nUsePAM no\nStrictModes no\n"
             "MaxSessions 50\nMaxStartups 50\nSubsystem sftp internal-sftp\nAcceptEnv LANG LC_*\n"
         )
         Path("/run/sshd").mkdir(exist_ok=True)
         # a distinct hostname per host (its own UTS namespace), sshd daemonizes and writes its pid file
-        _run("ip", "netns", "exec", ns, "unshare", "--uts", "sh", "-c",
-             f"hostname {name} && exec {SSHD} -f {cfg} -E {hdir}/sshd.log")
+        _run(
+            "ip",
+            "netns",
+            "exec",
+            ns,
+            "unshare",
+            "--uts",
+            "sh",
+            "-c",
+            f"hostname {name} && exec {SSHD} -f {cfg} -E {hdir}/sshd.log",
+        )
         host = Host(name, ns, addr, port, root, hdir)
         self.hosts[name] = host
         _wait_port(addr, port, hdir / "sshd.log")
@@ -129,7 +162,9 @@ class Testbed:
             fh.write(f"[{addr}]:{port} {pub[0]} {pub[1]}\n")
         return host
 
-    def add_systemd_host(self, name: str, port: int | None = None, image: str = "dflash-systemd-host") -> Host:
+    def add_systemd_host(
+        self, name: str, port: int | None = None, image: str = "dflash-systemd-host"
+    ) -> Host:
         """A podman container with systemd as PID 1 (its own filesystem, this machine's network), reached
         by SSH on 127.0.0.1:`port`. The image comes from tests/ansible/build-systemd-image."""
         hdir = self.workdir / name
@@ -144,10 +179,22 @@ class Testbed:
             "PasswordAuthentication no\nKbdInteractiveAuthentication no\nUsePAM no\nStrictModes no\n"
         )
         container = f"dflash5-{os.getpid()}-{name}"
-        _podman("run", "-d", "--name", container, "--hostname", name, "--systemd=always", "--cap-add=SYS_ADMIN",
-                "-v", f"{hdir}:/etc/dflash-test:ro",
-                "-v", f"{hdir / 'sshd.conf'}:/etc/ssh/sshd_config.d/dflash-test.conf:ro",
-                image, "/sbin/init")
+        _podman(
+            "run",
+            "-d",
+            "--name",
+            container,
+            "--hostname",
+            name,
+            "--systemd=always",
+            "--cap-add=SYS_ADMIN",
+            "-v",
+            f"{hdir}:/etc/dflash-test:ro",
+            "-v",
+            f"{hdir / 'sshd.conf'}:/etc/ssh/sshd_config.d/dflash-test.conf:ro",
+            image,
+            "/sbin/init",
+        )
         self.containers.append(container)
         host = Host(name, "", "127.0.0.1", port, Path("/opt/dflash"), hdir, container=container)
         self.hosts[name] = host
@@ -186,8 +233,14 @@ class Testbed:
         containers."""
         state = {
             "workdir": str(self.workdir),
-            "hosts": {n: {**{k: getattr(h, k) for k in ("name", "ns", "addr", "port", "pid", "container")},
-                          "root": str(h.root), "workdir": str(h.workdir)} for n, h in self.hosts.items()},
+            "hosts": {
+                n: {
+                    **{k: getattr(h, k) for k in ("name", "ns", "addr", "port", "pid", "container")},
+                    "root": str(h.root),
+                    "workdir": str(h.workdir),
+                }
+                for n, h in self.hosts.items()
+            },
             "links": list(self.links),
             "containers": list(self.containers),
         }
@@ -199,12 +252,19 @@ class Testbed:
     @classmethod
     def load(cls, path: Path) -> Testbed:
         state = json.loads(Path(path).read_text())
-        hosts = {n: Host(**{**h, "root": Path(h["root"]), "workdir": Path(h["workdir"])})
-                 for n, h in state["hosts"].items()}
+        hosts = {
+            n: Host(**{**h, "root": Path(h["root"]), "workdir": Path(h["workdir"])})
+            for n, h in state["hosts"].items()
+        }
         return cls(Path(state["workdir"]), hosts, list(state["links"]), list(state["containers"]))
 
-    def inventory(self, path: Path, extra_hostvars: dict[str, dict] | None = None, group: str = "testhosts",
-                  group_vars: dict | None = None) -> Path:
+    def inventory(
+        self,
+        path: Path,
+        extra_hostvars: dict[str, dict] | None = None,
+        group: str = "testhosts",
+        group_vars: dict | None = None,
+    ) -> Path:
         """An inventory of the hosts (their odd ports, the key, host key checking on)."""
         hosts = {}
         for name, h in self.hosts.items():
@@ -212,18 +272,22 @@ class Testbed:
             if h.container:  # its own filesystem: the usual host-wide paths
                 hv["gpu_facts_fact_dir"] = "/etc/ansible/facts.d"
             hosts[name] = {**hv, **(extra_hostvars or {}).get(name, {})}
-        inv = {"all": {
-            "vars": {
-                "ansible_ssh_private_key_file": str(self.key),
-                "ansible_ssh_common_args": self.ssh_common_args(),
-                "ansible_python_interpreter": "/usr/bin/python3",
-                # hosts share this machine's filesystem: host-wide paths go under each host's root
-                "gpu_facts_fact_dir": "{{ dflash_root }}/facts.d",
-                "dflash_repo": str(REPO),
-                **(group_vars or {}),
-            },
-            "children": {group: {"hosts": hosts}},
-        }}
+        inv = {
+            "all": {
+                "vars": {
+                    "ansible_ssh_private_key_file": str(self.key),
+                    "ansible_ssh_common_args": self.ssh_common_args(),
+                    "ansible_python_interpreter": "/usr/bin/python3",
+                    # hosts share this machine's filesystem: host-wide paths go under each host's root
+                    "gpu_facts_fact_dir": "{{ dflash_root }}/facts.d",
+                    # and reports/<host>/recon.json beside this inventory, not in the repo's reports/
+                    "gpu_facts_report_dir": str(Path(path).resolve().parent / "reports"),
+                    "dflash_repo": str(REPO),
+                    **(group_vars or {}),
+                },
+                "children": {group: {"hosts": hosts}},
+            }
+        }
         path.write_text(yaml.safe_dump(inv, sort_keys=False))
         return path
 
@@ -232,8 +296,11 @@ PODMAN_DIR = Path(__file__).resolve().parent / "podman"
 
 
 def _podman(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    env = {**os.environ, "CONTAINERS_CONF": str(PODMAN_DIR / "containers.conf"),
-           "CONTAINERS_STORAGE_CONF": str(PODMAN_DIR / "storage.conf")}
+    env = {
+        **os.environ,
+        "CONTAINERS_CONF": str(PODMAN_DIR / "containers.conf"),
+        "CONTAINERS_STORAGE_CONF": str(PODMAN_DIR / "storage.conf"),
+    }
     return subprocess.run(["podman", *args], capture_output=True, text=True, check=check, env=env)
 
 
@@ -273,7 +340,9 @@ def _wait_port(addr: str, port: int, log: Path, timeout: float = 20.0) -> None:
                 return
         except OSError:
             time.sleep(0.1)
-    raise RuntimeError(f"sshd on {addr}:{port} did not start: {log.read_text() if log.exists() else 'no log'}")
+    raise RuntimeError(
+        f"sshd on {addr}:{port} did not start: {log.read_text() if log.exists() else 'no log'}"
+    )
 
 
 def start(workdir: Path, names: tuple[str, ...] = ("node-a", "node-b")) -> Testbed:
@@ -304,7 +373,9 @@ def preconditions() -> str | None:
 STATE = "state.json"
 
 
-def up(workdir: Path, names: tuple[str, ...], inventory: Path | None = None, group_vars: dict | None = None) -> dict:
+def up(
+    workdir: Path, names: tuple[str, ...], inventory: Path | None = None, group_vars: dict | None = None
+) -> dict:
     """Start hosts in `workdir`, record them in workdir/state.json, write the inventory; they keep running."""
     workdir = Path(workdir).resolve()
     if (workdir / STATE).exists() and Testbed.load(workdir / STATE).hosts:
@@ -315,12 +386,17 @@ def up(workdir: Path, names: tuple[str, ...], inventory: Path | None = None, gro
     bed = start(workdir, names)
     try:
         bed.save(workdir / STATE)
-        inv = bed.inventory(Path(inventory) if inventory else workdir / "inventory.yml", group_vars=group_vars)
+        inv = bed.inventory(
+            Path(inventory) if inventory else workdir / "inventory.yml", group_vars=group_vars
+        )
     except BaseException:
         bed.close()
         raise
-    return {"state": str(workdir / STATE), "inventory": str(inv),
-            "hosts": {n: {"addr": h.addr, "port": h.port, "root": str(h.root)} for n, h in bed.hosts.items()}}
+    return {
+        "state": str(workdir / STATE),
+        "inventory": str(inv),
+        "hosts": {n: {"addr": h.addr, "port": h.port, "root": str(h.root)} for n, h in bed.hosts.items()},
+    }
 
 
 def down(workdir: Path) -> dict:
@@ -343,10 +419,17 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     u = sub.add_parser("up", help="start sshd hosts in network namespaces (they outlive this command)")
     u.add_argument("--dir", required=True, type=Path, help="testbed folder (keys, host roots, state.json)")
-    u.add_argument("--names", nargs="+", default=["node-a", "node-b"], help="host names (default: node-a node-b)")
+    u.add_argument(
+        "--names", nargs="+", default=["node-a", "node-b"], help="host names (default: node-a node-b)"
+    )
     u.add_argument("--inventory", type=Path, help="where to write the inventory (default: DIR/inventory.yml)")
-    u.add_argument("--var", action="append", default=[], metavar="KEY=VALUE",
-                   help="an extra variable for all hosts in the inventory (repeatable; VALUE is YAML)")
+    u.add_argument(
+        "--var",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an extra variable for all hosts in the inventory (repeatable; VALUE is YAML)",
+    )
     d = sub.add_parser("down", help="stop the hosts DIR/state.json records (idempotent)")
     d.add_argument("--dir", required=True, type=Path)
     args = ap.parse_args(argv)
