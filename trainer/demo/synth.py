@@ -5,6 +5,7 @@ generation path of `dflash regenerate` (trainer/regenerate.py). Heavy side."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -37,34 +38,47 @@ def greedy_dataset(
     return save_dataset(rows, Path(out_dir))
 
 
-def tiny_target(
-    out_dir: Path, num_layers: int = 4, hidden: int = 64, vocab: int = 512, seed: int = 0
+def random_target(
+    out_dir: Path,
+    shape: dict[str, Any],
+    *,
+    seed: int = 0,
+    device: str = "cpu",
+    dtype: str = "float32",
+    sharpen_head: float = 8.0,
 ) -> Path:
-    """A random Qwen3 target built on the spot (no download), saved as safetensors."""
+    """A random-weight Qwen3 target of `shape` (Qwen3Config fields) built on the spot (no download) on
+    `device` in `dtype`, saved as safetensors. A random init is nearly uniform: the head is scaled by
+    `sharpen_head` so that greedy text has structure to learn."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
-    cfg = Qwen3Config(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=hidden * 2,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=hidden // 4,
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    model = Qwen3ForCausalLM(cfg)
-    # A random init is nearly uniform; sharpen the head so greedy text has structure to learn.
+    defaults = {"tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+    cfg = Qwen3Config(**{**defaults, **shape})
+    with torch.device(device):
+        model = Qwen3ForCausalLM(cfg).to(getattr(torch, dtype))
     with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)
+        model.lm_head.weight.mul_(sharpen_head)
     model.save_pretrained(str(out_dir))
     return Path(out_dir)
+
+
+def tiny_target(
+    out_dir: Path, num_layers: int = 4, hidden: int = 64, vocab: int = 512, seed: int = 0
+) -> Path:
+    """The tests' and the demo's random Qwen3 target (fp32, CPU)."""
+    shape = {
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": hidden * 2,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": hidden // 4,
+        "max_position_embeddings": 4096,
+    }
+    return random_target(out_dir, shape, seed=seed)
 
 
 # ---------------------------------------------------------------- real prompts, chat template

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The GPU check in one call (docs/gpu-check.md). On the lent H200 (carry .whl, made by scripts/gpu-wheels):
+#   bash bench/gpu/run.sh                 -> report in $OUT, table on stdout
+# On a rented node with the project's venv: PYTHON=.venv/bin/python bash bench/gpu/run.sh
+# Arguments go to bench/gpu/check.py (--cpu-smoke, --shapes, --steps, --budget-s, --out).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+py=${PYTHON:-python3}
+wheels=${GPU_CHECK_WHEELS:-.whl}
+if compgen -G "$wheels/*.whl" >/dev/null; then
+  site=${GPU_CHECK_SITE:-/tmp/gpu-check-site}
+  "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" "$wheels"/*.whl
+  export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+  echo "gpu-check: $(ls "$wheels"/*.whl | wc -l) carried wheels installed into $site"
+fi
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+exec "$py" bench/gpu/check.py "$@"
