@@ -82,10 +82,22 @@ def test_systemd_unit_is_hardened_restarts_after_kill_9_and_resumes(
     j = host.ssh(bed, "journalctl -u dflash-train --no-pager -o cat", check=False).stdout
     assert "resumed from step-" in j
     assert "resumed from step-" in host.ssh(bed, f"cat {OUT}/train.log").stdout
-    # systemctl stop: SIGTERM, the final checkpoint, exit 0 (and the trainer stops using a core for the
-    # rest of the session)
-    host.ssh(bed, "systemctl stop dflash-train")
+    # `dflash salvage stop`, as the salvage role runs it: it finds the unit from the trainer's cgroup and
+    # stops it through systemctl (systemd does not restart a unit it was told to stop), and the trainer
+    # ends with its final checkpoint (and stops using a core for the rest of the session)
+    res = host.ssh(
+        bed, f"/opt/dflash/venv/bin/dflash salvage stop --run-dir {OUT} --timeout 120 --json", check=False
+    )
+    rep = json.loads(res.stdout)
+    assert res.returncode == 0 and rep["state"] == "stopped" and rep["ok"], rep
+    assert rep["method"] == {
+        "how": "systemd",
+        "unit": "dflash-train.service",
+        "command": ["systemctl", "stop", "--no-block", "dflash-train.service"],
+    }
     end = [e for e in events(bed, host) if e["event"] == "run_end"][-1]
     ck = [e for e in events(bed, host) if e["event"] == "checkpoint"][-1]
     assert end["status"] == "stopped" and ck["reason"] == "signal" and ck["step"] == end["step"]
-    assert prop(bed, host, "ActiveState") == "inactive" and prop(bed, host, "NRestarts") == "1"
+    assert rep["checkpoint"] == ck["name"] and rep["checkpoint_problems"] == []
+    wait_for(lambda: prop(bed, host, "ActiveState") == "inactive", what="the unit to be inactive")
+    assert prop(bed, host, "NRestarts") == "1"

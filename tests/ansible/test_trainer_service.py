@@ -83,5 +83,21 @@ def test_supervisord_runs_one_trainer_restarts_it_after_kill_9_and_it_resumes(
         assert "RUNNING" in host.ssh(bed, f"{ctl} status dflash-train", check=False).stdout
         log = (host.root / "runs" / "tiny" / "service.log").read_text()
         assert "resumed from step-" in log
+        # `dflash salvage stop` as the salvage role runs it (a plain SSH command: the venv is not on
+        # PATH): it stops the program through supervisorctl, so supervisord does not restart it, and
+        # the trainer ends with its final checkpoint
+        res = host.ssh(
+            bed, f"{host.root}/venv/bin/dflash salvage stop --run-dir {out} --timeout 120 --json", check=False
+        )
+        rep = json.loads(res.stdout)
+        assert res.returncode == 0 and rep["state"] == "stopped" and rep["ok"], rep
+        assert rep["method"]["how"] == "supervisor" and rep["method"]["program"].endswith("dflash-train")
+        final = checkpoints(out)[-1]
+        end = [e for e in load_events(out / "events.jsonl") if e["event"] == "run_end"][-1]
+        assert final["reason"] == "signal" and final["step"] == end["step"] and end["status"] == "stopped"
+        assert rep["checkpoint"] == final["name"] and rep["checkpoint_problems"] == []
+        status = host.ssh(bed, f"{ctl} status dflash-train", check=False).stdout
+        assert "STOPPED" in status, status
+        assert len([e for e in run_starts(out) if e["pid"] != pid]) == 1  # no restart after the stop
     finally:
         host.ssh(bed, f"{ctl} shutdown", check=False)

@@ -327,6 +327,51 @@ def test_salvage_end_to_end_on_radosgw(tmp_path, tiny_target, tiny_data, rgw):
                 p.wait()
 
 
+def test_salvage_stop_stops_a_two_rank_torchrun_job_through_its_launcher(tmp_path, tiny_target, tiny_data):
+    """`dflash salvage stop` on a 2-rank torchrun trainer signals the launcher (torchrun forwards SIGTERM
+    to every rank), the ranks agree on the step to stop at, rank 0 writes the final checkpoint from
+    ranks in sync, and the launcher exits by itself without killing a rank (SIGTERM under torchrun)."""
+    out = tmp_path / "run"
+    cfg = write_config(
+        tmp_path / "run.yaml",
+        tiny_target,
+        tiny_data,
+        out,
+        train={**FAST, "max_steps": 100000, "checkpoint_every": 3},
+    )
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+        + ["-m", "trainer.cli", "train", "--config", str(cfg)],
+        env=BASE_ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert wait_for(lambda: len(events(out, "checkpoint")) >= 1, 240), (
+            "the torchrun job wrote no checkpoint"
+        )
+        rep = json.loads(dflash("stop", "--run-dir", out, "--timeout", "120", "--json", check_rc=0).stdout)
+        assert rep["method"]["how"] == "torchrun" and rep["signalled_pid"] == launcher.pid, rep
+        assert rep["state"] == "stopped" and rep["ok"], rep
+        # torchrun forwards SIGTERM, waits for its ranks, then re-raises the signal as its own exit 1
+        # (a stopped service is not restarted whatever its exit code); it never had to SIGKILL a rank
+        assert launcher.wait(timeout=120) == 1
+        err = launcher.stderr.read()
+        assert "Received 15 death signal" in err and "SIGKILL" not in err, err[-3000:]
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+    final = events(out, "checkpoint")[-1]
+    (end,) = events(out, "run_end")
+    assert final["reason"] == "signal" and final["ranks_in_sync"] and final["step"] == end["step"]
+    assert end["status"] == "stopped" and rep["checkpoint"] == final["name"]
+    assert read_latest(out).name == final["name"] and verify_checkpoint(read_latest(out)) == []
+    assert events(out, "run_start")[-1]["layout"]["world_size"] == 2
+
+
 def _collect_and_push(run: Path, set_dir: Path, url: str, endpoint: str, *extra) -> dict:
     dflash("collect", "--run-dir", run, "--out", set_dir, *extra, check_rc=0)
     return json.loads(

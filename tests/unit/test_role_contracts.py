@@ -160,3 +160,50 @@ def test_no_issue_numbers_in_roles_playbooks_inventory():
                     line.strip() for line in path.read_text(errors="replace").splitlines() if ref.search(line)
                 ]
                 assert not hits, (path.relative_to(REPO), hits)
+
+
+def render_role_var(role: str, name: str, values: dict) -> object:
+    """A role variable rendered with Jinja2 the way Ansible would (the variables it names resolved
+    recursively from the role's defaults/ and vars/ and `values`; only Jinja's own filters), its result
+    parsed as Ansible parses a template's result (a list or dict literal becomes one)."""
+    import ast
+
+    import jinja2
+    from jinja2 import meta
+
+    known = {**load(ROLES / role / "defaults/main.yml"), **load(ROLES / role / "vars/main.yml"), **values}
+    env = jinja2.Environment(undefined=jinja2.StrictUndefined)
+
+    def value_of(key: str):
+        v = known[key]
+        if not (isinstance(v, str) and "{{" in v):
+            return v
+        names = meta.find_undeclared_variables(env.parse(v)) & set(known)
+        text = env.from_string(v).render(**{n: value_of(n) for n in names})
+        try:
+            return ast.literal_eval(text.strip())
+        except (ValueError, SyntaxError):
+            return text
+
+    return value_of(name)
+
+
+def test_torchrun_waits_for_the_final_checkpoint_and_the_service_manager_waits_longer():
+    """torchrun SIGKILLs its ranks --shutdown-timeout seconds after forwarding SIGTERM (default 30 s): the
+    role's launcher must outwait the trainer's stop bound, and systemd/supervisord (stop bound + margin)
+    must outwait torchrun."""
+    values = {
+        "dflash_root": "/opt/dflash",
+        "trainer_service_layout": {"data_parallel": 4},
+        "trainer_service_run_config": {"train": {"stop_timeout_s": 900}},
+    }
+    argv = render_role_var("trainer_service", "trainer_service_exec", values)
+    assert argv[0].endswith("/bin/torchrun") and "--nproc-per-node=4" in argv
+    (flag,) = [a for a in argv if a.startswith("--shutdown-timeout=")]
+    shutdown = int(flag.split("=", 1)[1])
+    margin = float(render_role_var("trainer_service", "trainer_service_stop_margin_s", values))
+    assert 900 < shutdown < 900 + margin
+    single = render_role_var(
+        "trainer_service", "trainer_service_exec", {**values, "trainer_service_layout": {"data_parallel": 1}}
+    )
+    assert single[0].endswith("/bin/dflash") and not any(a.startswith("--shutdown") for a in single)

@@ -19,6 +19,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -80,6 +81,16 @@ def stop_method(
     return {"how": "signal", "signal_pid": pid}
 
 
+def find_tool(name: str) -> str | None:
+    """`name` on PATH, else beside this Python (the node's venv holds supervisor next to dflash, and a
+    non-interactive SSH session, as Ansible's, does not put that venv on PATH)."""
+    found = shutil.which(name)
+    if found:
+        return found
+    beside = Path(sys.executable).parent / name
+    return str(beside) if os.access(beside, os.X_OK) else None
+
+
 def _describe(pid: int) -> dict[str, Any]:
     p = psutil.Process(pid)
     try:
@@ -96,14 +107,12 @@ def _describe(pid: int) -> dict[str, Any]:
         parent_pid = parent.pid if parent else None
     except psutil.Error:
         parent_cmd, parent_pid = None, None
+    supervisorctl = find_tool("supervisorctl")
     method = stop_method(
-        pid,
-        cgroup,
-        environ,
-        parent_cmd,
-        shutil.which("systemctl") is not None,
-        shutil.which("supervisorctl") is not None,
+        pid, cgroup, environ, parent_cmd, shutil.which("systemctl") is not None, supervisorctl is not None
     )
+    if method["how"] == "supervisor":
+        method["command"][0] = supervisorctl
     if method.get("signal_pid") == "parent":
         method["signal_pid"] = parent_pid
     return method
