@@ -381,6 +381,38 @@ def _collect_and_push(run: Path, set_dir: Path, url: str, endpoint: str, *extra)
     )
 
 
+def test_collect_keeps_the_best_checkpoint_by_eval_tau_and_leaves_data_out_on_request(tmp_path, finished_run):
+    """--keep 1 takes the newest checkpoint plus the one the run's eval events rate best (an older one
+    here); --no-data lists the dataset as not moved, with its size and why, and copies none of it."""
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run, symlinks=True)
+    (ck2, ck4) = [p.name for p in list_checkpoints(run)]
+    with open(run / "events.jsonl", "a") as fh:  # two evals, as `dflash eval` records them in the run
+        for name, tau in ((ck2, 2.5), (ck4, 1.25)):
+            fh.write(
+                json.dumps({"event": "eval", "time": 1.0, "run_id": "r", "checkpoint": name, "tau": tau})
+                + "\n"
+            )
+    rep = json.loads(
+        dflash(
+            "collect", "--run-dir", run, "--out", tmp_path / "set", "--keep", "1", "--no-data", "--json"
+        ).stdout
+    )
+    why = {c["name"]: c["why"] for c in rep["checkpoints"]}
+    assert why == {ck4: "one of the newest 1", ck2: "best by eval tau"}
+    assert (tmp_path / "set" / "run" / "checkpoints" / ck2 / "model.safetensors").is_file()
+    (data,) = [n for n in rep["not_moved"] if n["why"] == "excluded with --no-data"]
+    assert data["bytes"] > 0 and Path(data["path"]).name == "ds"
+    assert not (tmp_path / "set" / "data").exists() and "data" not in rep["by_kind"]
+    # without an eval event, --keep 1 is the newest only
+    plain = tmp_path / "plain"
+    shutil.copytree(finished_run, plain, symlinks=True)
+    rep = json.loads(
+        dflash("collect", "--run-dir", plain, "--out", tmp_path / "set2", "--keep", "1", "--json").stdout
+    )
+    assert [c["name"] for c in rep["checkpoints"]] == [ck4] and rep["by_kind"]["data"]["files"] > 0
+
+
 def test_verify_names_every_damaged_or_missing_object(tmp_path, finished_run, rgw):
     url = "s3://salvage/damaged"
     _collect_and_push(finished_run, tmp_path / "set", url, rgw.endpoint_url)
