@@ -138,3 +138,20 @@ def moto():
     client(server.endpoint_url).create_bucket(Bucket="salvage")
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def rgw():
+    """A real S3 server, Ceph radosgw on 127.0.0.1, with a `salvage` bucket: one for the whole session
+    (tests/ansible has its own, reachable from the test hosts' network namespaces)."""
+    from tests.s3servers import RadosGW, client, have_radosgw
+
+    if not have_radosgw():
+        pytest.fail(
+            "Ceph radosgw is not installed: run scripts/setup-system (requirements/apt.txt: ceph-mon "
+            "ceph-osd radosgw)"
+        )
+    server = RadosGW().start()
+    client(server.endpoint_url).create_bucket(Bucket="salvage")
+    yield server
+    server.stop()

@@ -1,7 +1,8 @@
 """`dflash s3 push` / `dflash s3 pull` against a real S3 server (moto's HTTP server on 127.0.0.1; the
-data_sync role's S3 -> host test uses Ceph radosgw): a round trip proven by sha256, a second pull that
-moves nothing, a damaged local copy repaired, a pull killed mid-way that resumes from its partial file,
-an object replaced in between, and bad input refused before anything is written."""
+killed-pull resume also on Ceph radosgw, as the data_sync role's S3 -> host test): a round trip proven
+by sha256, a second pull that moves nothing, a damaged local copy repaired, a pull killed mid-way that
+resumes from its partial file, an object replaced in between, and bad input refused before anything is
+written."""
 
 from __future__ import annotations
 
@@ -108,7 +109,10 @@ def test_round_trip_is_proven_idempotent_and_repairs(tmp_path, moto):
     assert {k: v for k, v in digests(dest).items() if k != "mine.txt"} == digests(src)
 
 
-def test_pull_killed_midway_resumes_from_its_partial_file(tmp_path, moto):
+@pytest.mark.parametrize("server", ["moto", "rgw"])
+def test_pull_killed_midway_resumes_from_its_partial_file(tmp_path, server, request):
+    """On moto and on Ceph radosgw (which really serves the ranged GET the resume asks for)."""
+    moto = request.getfixturevalue(server)  # the server under test
     src = tmp_path / "target"
     src.mkdir()
     size = 24 * 2**20

@@ -23,9 +23,7 @@ from tests.conftest import wait_for, write_config
 from tests.s3servers import (
     TEST_ACCESS_KEY,
     TEST_SECRET_KEY,
-    RadosGW,
     client,
-    have_radosgw,
     s3_env,
 )
 from trainer.checkpoint import list_checkpoints, read_latest, verify_checkpoint
@@ -66,19 +64,6 @@ def keys(c, bucket: str, prefix: str) -> dict[str, int]:
         for o in page.get("Contents", []):
             out[o["Key"]] = o["Size"]
     return out
-
-
-@pytest.fixture(scope="session")
-def rgw():
-    if not have_radosgw():
-        pytest.fail(
-            "Ceph radosgw is not installed: run scripts/setup-system (requirements/apt.txt: ceph-mon "
-            "ceph-osd radosgw)"
-        )
-    server = RadosGW().start()
-    client(server.endpoint_url).create_bucket(Bucket="salvage")
-    yield server
-    server.stop()
 
 
 @pytest.fixture(scope="module")
