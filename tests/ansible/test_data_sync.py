@@ -14,6 +14,7 @@ import psutil
 
 from tests.ansible.conftest import REPO
 from tests.ansible.conftest import ROLE_PLAYBOOK as ROLE
+from tests.conftest import wait_for
 
 
 def make_tree(root: Path, big_mb: int = 4) -> Path:
@@ -69,7 +70,7 @@ def test_push_is_verified_idempotent_and_repairs(bed, provisioned, runner, tmp_p
 def test_transfer_killed_midway_then_rerun_completes(bed, provisioned, tmp_path):
     src = tmp_path / "big"
     src.mkdir()
-    size = 256 * 2**20
+    size = 128 * 2**20  # at 8 MiB/s: 16 s of transfer, the kill point 4 s in, 12 s of margin after it
     with open(src / "model.safetensors", "wb") as fh:
         fh.writelines(os.urandom(2**20) for _ in range(size // 2**20))
     host = bed.hosts["node-b"]
@@ -77,7 +78,7 @@ def test_transfer_killed_midway_then_rerun_completes(bed, provisioned, tmp_path)
     inv = bed.inventory(tmp_path / "inv.yml")
     extra = (
         f'{{"test_role": "data_sync", "data_sync_manifest_dir": "{tmp_path}/manifests", '
-        f'"data_sync_bwlimit_kbps": 32768, '
+        f'"data_sync_bwlimit_kbps": 8192, '
         f'"data_sync_items": [{{"name": "target", "src": "{src}", "dest": "{dest}"}}]}}'
     )
     env = {
@@ -106,7 +107,7 @@ def test_transfer_killed_midway_then_rerun_completes(bed, provisioned, tmp_path)
         # the receiver writes into a hidden temp name, moved to the partial dir if the transfer dies
         tmp = [p for p in dest.glob(".model.safetensors.*")] + ([partial] if partial.exists() else [])
         landed = max([p.stat().st_size for p in tmp], default=0)
-        if landed > size * 0.4:
+        if landed > size * 0.25:
             break
         time.sleep(0.2)
     assert proc.poll() is None, "the transfer finished before it could be killed"
@@ -119,12 +120,12 @@ def test_transfer_killed_midway_then_rerun_completes(bed, provisioned, tmp_path)
         except psutil.NoSuchProcess:
             pass
     proc.wait()
-    for _ in range(50):  # the remote rsync notices the dead link and keeps what it has in the partial dir
-        if partial.exists() and not list(dest.glob(".model.safetensors.*")):
-            break
-        time.sleep(0.2)
+    # the remote rsync notices the dead link and keeps what it has in the partial dir: wait for that state
+    assert wait_for(
+        lambda: partial.exists() and not list(dest.glob(".model.safetensors.*")), timeout=120, every=0.2
+    ), list(dest.iterdir())
     kept = partial.stat().st_size
-    assert size * 0.3 < kept < size, (kept, size)
+    assert size * 0.15 < kept < size, (kept, size)
     assert not (dest / "model.safetensors").exists()
     r = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, check=False)
     assert r.returncode == 0, r.stdout[-3000:]
