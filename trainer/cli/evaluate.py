@@ -97,6 +97,8 @@ def cmd_regenerate(args) -> int:
             backend=args.backend,
             device=args.device,
             ignore_eos=args.ignore_eos,
+            dtype=args.dtype,
+            tensor_parallel_size=args.tensor_parallel_size,
         )
     )
     return 0
@@ -182,5 +184,14 @@ def register(sub) -> None:
     p.add_argument("--batch-size", type=_positive, default=16)
     p.add_argument("--backend", choices=("transformers", "vllm"), default="transformers")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument(
+        "--dtype",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        default="auto",
+        help="vLLM backend: the engine's dtype (default: the model's)",
+    )
+    p.add_argument(
+        "--tensor-parallel-size", type=_positive, default=1, help="vLLM backend: GPUs per engine (default 1)"
+    )
     _template_args(p)
     p.set_defaults(func=cmd_regenerate)
