@@ -104,18 +104,18 @@ def fake_sglang(tmp_path: Path) -> subprocess.Popen:
     )
 
 
+def endless_run(tmp_path: Path, tiny_target: Path, tiny_data: Path) -> tuple[Path, Path]:
+    """(out_dir, config) of a run that trains until it is stopped, a checkpoint every 3 steps."""
+    out = tmp_path / "run"
+    train = {**FAST, "max_steps": 100000, "checkpoint_every": 3}
+    return out, write_config(tmp_path / "run.yaml", tiny_target, tiny_data, out, train=train)
+
+
 def test_salvage_end_to_end_on_radosgw(tmp_path, tiny_target, tiny_data, rgw):
     """Trainer + sglang running -> inventory -> --check changes nothing -> only the trainer stopped with
     a final checkpoint -> collect -> push with the endpoint killed mid-upload -> re-run completes ->
     verify reads everything back -> notes -> a second full run moves 0 bytes -> no credential anywhere."""
-    out = tmp_path / "run"
-    cfg = write_config(
-        tmp_path / "run.yaml",
-        tiny_target,
-        tiny_data,
-        out,
-        train={**FAST, "max_steps": 100000, "checkpoint_every": 3},
-    )
+    out, cfg = endless_run(tmp_path, tiny_target, tiny_data)
     trainer = subprocess.Popen(
         [*DFLASH, "train", "--config", str(cfg)],
         env=BASE_ENV,
@@ -316,14 +316,7 @@ def test_salvage_stop_stops_a_two_rank_torchrun_job_through_its_launcher(tmp_pat
     """`dflash salvage stop` on a 2-rank torchrun trainer signals the launcher (torchrun forwards SIGTERM
     to every rank), the ranks agree on the step to stop at, rank 0 writes the final checkpoint from
     ranks in sync, and the launcher exits by itself without killing a rank (SIGTERM under torchrun)."""
-    out = tmp_path / "run"
-    cfg = write_config(
-        tmp_path / "run.yaml",
-        tiny_target,
-        tiny_data,
-        out,
-        train={**FAST, "max_steps": 100000, "checkpoint_every": 3},
-    )
+    out, cfg = endless_run(tmp_path, tiny_target, tiny_data)
     launcher = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
         + ["-m", "trainer.cli", "train", "--config", str(cfg)],
