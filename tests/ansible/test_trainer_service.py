@@ -96,8 +96,12 @@ def test_supervisord_runs_one_trainer_restarts_it_after_kill_9_and_it_resumes(
         end = [e for e in load_events(out / "events.jsonl") if e["event"] == "run_end"][-1]
         assert final["reason"] == "signal" and final["step"] == end["step"] and end["status"] == "stopped"
         assert rep["checkpoint"] == final["name"] and rep["checkpoint_problems"] == []
-        status = host.ssh(bed, f"{ctl} status dflash-train", check=False).stdout
-        assert "STOPPED" in status, status
+        # run_end is written just before the process exits: supervisord says STOPPING until it has
+        wait_for(
+            lambda: "STOPPED" in host.ssh(bed, f"{ctl} status dflash-train", check=False).stdout,
+            timeout=60,
+            what="supervisord to report the program STOPPED",
+        )
         assert len([e for e in run_starts(out) if e["pid"] != pid]) == 1  # no restart after the stop
     finally:
         host.ssh(bed, f"{ctl} shutdown", check=False)

@@ -23,11 +23,24 @@ S3_ONLY = {"boto3", "botocore", "s3transfer", "jmespath"}  # salvage's; accelera
 AUDIT = """
 import atexit, json, os, sys
 def _dump():
+    # the distributions this process imported; a top-level name several provide (the `google` namespace:
+    # protobuf, googleapis-common-protos) counts for those whose files hold a module that was imported
     import importlib.metadata as md
     pd = md.packages_distributions()
-    names = sorted({d for m in list(sys.modules) for d in pd.get(m.split(".")[0], [])})
+    names, shared = set(), {}
+    for name, mod in list(sys.modules.items()):
+        dists = pd.get(name.split(".")[0], [])
+        if len(set(dists)) == 1:
+            names.add(dists[0])
+        elif dists and getattr(mod, "__file__", None):
+            shared.setdefault(name.split(".")[0], set()).add(os.path.realpath(mod.__file__))
+    for top, files in shared.items():
+        for d in set(pd[top]):
+            dist = md.distribution(d)
+            if files & {os.path.realpath(dist.locate_file(f)) for f in dist.files or []}:
+                names.add(d)
     with open(os.environ["DIST_AUDIT"], "a") as f:
-        f.write(json.dumps(names) + "\\n")
+        f.write(json.dumps(sorted(names)) + "\\n")
 atexit.register(_dump)
 """
 
