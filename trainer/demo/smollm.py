@@ -36,6 +36,7 @@ def ensure_smollm2(out_dir: Path | None = None, dtype: str = "float32") -> Path:
     out_dir = Path(out_dir) if out_dir is not None else default_dir()
     marker = out_dir / ".dflash-complete"
     if marker.exists():
+        drop_gguf_quantization(out_dir / "config.json")  # a copy made before this was done at conversion
         return out_dir
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -51,6 +52,7 @@ def ensure_smollm2(out_dir: Path | None = None, dtype: str = "float32") -> Path:
         plain.tie_weights()
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     plain.save_pretrained(str(tmp))
+    drop_gguf_quantization(tmp / "config.json")
     tok.save_pretrained(str(tmp))
     atomic_write_text(tmp / ".dflash-complete", json.dumps({"source": GGUF_NAME}))
     if out_dir.exists():
@@ -59,3 +61,13 @@ def ensure_smollm2(out_dir: Path | None = None, dtype: str = "float32") -> Path:
         shutil.rmtree(out_dir)
     tmp.rename(out_dir)
     return out_dir
+
+
+def drop_gguf_quantization(config_json: Path) -> None:
+    """The saved weights are plain tensors, but the config keeps the GGUF file's `quantization_config`,
+    which vLLM refuses ("Unknown quantization method: gguf"): remove it (atomically; a no-op when absent)."""
+    from trainer.fsutil import atomic_write_text
+
+    conf = json.loads(config_json.read_text())
+    if conf.pop("quantization_config", None) is not None:
+        atomic_write_text(config_json, json.dumps(conf, indent=2) + "\n")
