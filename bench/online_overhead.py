@@ -68,7 +68,7 @@ def part_a(
 
     from trainer.config import config_from_dict
     from trainer.events import EventWriter
-    from trainer.training.distributed import Dist
+    from trainer.training.distributed import setup_dist
     from trainer.training.loop import Trainer
 
     vocab = json.loads((target / "config.json").read_text())["vocab_size"]
@@ -84,7 +84,8 @@ def part_a(
         },
         work,
     )
-    tr = Trainer(cfg, Dist(), EventWriter(work / "out", "bench", enabled=False))
+    # the run's devices as `dflash train` picks them (the GPU on a GPU machine, else the CPU)
+    tr = Trainer(cfg, setup_dist(cfg), EventWriter(work / "out", "bench", enabled=False))
     tr.build()
     sync = torch.cuda.synchronize if tr.d.device.type == "cuda" else (lambda: None)
     batches = [tr.next_batch() for _ in range(reps + 2)]
