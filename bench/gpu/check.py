@@ -81,7 +81,6 @@ SHAPES: dict[str, dict] = {
 RECIPE = {"draft_layers": 5, "block_size": 16, "anchors": 512, "tokens": 4096}
 SMOKE_RECIPE = {"draft_layers": 1, "block_size": 4, "anchors": 16, "tokens": 128}
 PERSISTENT_PARTS = ("target_weights", "drafter_trainable", "drafter_optimizer", "drafter_frozen")
-H200_BF16_DENSE_TFLOPS = 989.0  # datasheet (SXM); the measured matmul rate is reported beside it
 
 
 def log(msg: str) -> None:
@@ -108,6 +107,18 @@ def environment(cuda: bool) -> dict:
             torch_cuda=torch.version.cuda,
         )
     return env
+
+
+def datasheet_tflops(device_name: str | None) -> float | None:
+    """Dense bf16 TFLOP/s of this GPU from `dflash plan`'s catalog (None off the catalog, or on a CPU)."""
+    from trainer.layout.plan import PlanError, resolve_gpu
+
+    if not device_name:
+        return None
+    try:
+        return float(resolve_gpu(device_name)[1]["bf16_tflops"])
+    except PlanError:
+        return None
 
 
 def matmul_tflops(cuda: bool) -> float:
@@ -237,6 +248,8 @@ def step_flops(shape: dict, recipe: dict) -> float:
 def train_stage(
     cfg: Path, shape: dict, recipe: dict, cuda: bool, peak_tflops: float | None, timeout: float
 ) -> dict:
+    import torch
+
     from trainer.config import load_config
     from trainer.events import load_events
     from trainer.preflight.machine import estimate_memory
@@ -255,6 +268,7 @@ def train_stage(
     peak_key = "gpu_peak_gb" if cuda else "rss_gb"
     peak = max(e.get(peak_key) or 0.0 for e in steps)  # memory_snapshot's "gb" are GiB (2**30)
     flops = step_flops(shape, recipe)
+    datasheet = datasheet_tflops(torch.cuda.get_device_name(0)) if cuda else None
     predicted_total = sum(predicted.values()) / GIB
     # what torch's allocator can see: everything but the CUDA context / library workspaces reserve
     predicted_allocated = predicted_total - predicted["runtime_reserve"] / GIB
@@ -273,7 +287,7 @@ def train_stage(
         "all_finite": all(e["loss"] is not None and e["grad_norm"] is not None for e in steps),
         "step_tflops": flops / 1e12,
         "achieved_tflops": flops / step_s / 1e12,
-        "mfu_vs_datasheet": (flops / step_s / 1e12 / H200_BF16_DENSE_TFLOPS) if cuda else None,
+        "mfu_vs_datasheet": (flops / step_s / 1e12 / datasheet) if datasheet else None,
         "mfu_vs_measured_matmul": (flops / step_s / 1e12 / peak_tflops) if peak_tflops else None,
         "peak_memory_source": "torch.cuda.max_memory_allocated" if cuda else "process RSS (CPU)",
         "peak_memory_gib": peak,
