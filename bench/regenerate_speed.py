@@ -2,7 +2,7 @@
 """`dflash regenerate` with the vLLM backend against the transformers backend, side by side in one run
 (not a CI test). The same prompts (stdlib-docstring questions, chat template) through both, greedy, the
 same stop rule, on SmolLM2-135M (trainer.demo.smollm): response tokens per second of each backend over
-its whole `dflash regenerate` (engine start-up included and also reported apart), their ratio (goal:
+its whole `dflash regenerate` (engine start-up included: use enough prompts), their ratio (goal:
 vLLM >= 2x), and the share of responses that agree token for token.
 
 Usage: .venv/bin/python bench/regenerate_speed.py [--prompts 256] [--max-new-tokens 96] [--dtype float32]
