@@ -125,7 +125,6 @@ class VLLMBackend:
         *,
         dtype: str = "auto",
         tensor_parallel_size: int = 1,
-        max_model_len: int | None = None,
     ):
         try:
             import vllm
@@ -154,8 +153,6 @@ class VLLMBackend:
             kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
         if dtype != "auto":
             kwargs["dtype"] = dtype
-        if max_model_len:
-            kwargs["max_model_len"] = max_model_len
         self.llm = vllm.LLM(**kwargs)
         self.stop_ids = sorted(stop_ids)
 

@@ -149,18 +149,6 @@ def build_target(name: str, folder: Path, cuda: bool) -> Path:
     return random_target(folder, SHAPES[name], device="cuda" if cuda else "cpu", dtype=dtype)
 
 
-def random_dataset(folder: Path, vocab: int, tokens: int, n: int) -> Path:
-    """Random ids with a loss mask over the last three quarters (speed and memory, not quality)."""
-    import datasets
-    import numpy as np
-
-    rng = np.random.default_rng(0)
-    ids = [rng.integers(10, vocab - 10, size=tokens).tolist() for _ in range(n)]
-    mask = [[0] * (tokens // 4) + [1] * (tokens - tokens // 4) for _ in range(n)]
-    datasets.Dataset.from_dict({"input_ids": ids, "loss_mask": mask}).save_to_disk(str(folder))
-    return folder
-
-
 def drafter_section(shape: dict, recipe: dict) -> dict:
     from trainer.preflight.drafter import suggest_aux_ids
 
@@ -367,13 +355,15 @@ def summarise_eval(r: dict) -> dict:
 
 
 def check_shape(name: str, args, work: Path, cuda: bool, peak_tflops: float | None, deadline: float) -> dict:
+    from online_overhead import make_dataset  # random ids, loss mask over the last 3/4
+
     shape = SHAPES[name]
     recipe = SMOKE_RECIPE if args.cpu_smoke else RECIPE
     out: dict = {"shape": name, "recipe": recipe, "config": shape}
     left = lambda: deadline - time.monotonic()  # noqa: E731
     t0 = time.perf_counter()
     target = build_target(name, work / "target", cuda)
-    data = random_dataset(work / "data", shape["vocab_size"], recipe["tokens"], n=max(64, 2 * args.steps))
+    data = make_dataset(work / "data", shape["vocab_size"], recipe["tokens"], n=max(64, 2 * args.steps))
     out["build_s"] = round(time.perf_counter() - t0, 1)
     log(f"{name}: target and data built in {out['build_s']} s")
     if cuda:
