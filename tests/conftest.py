@@ -32,6 +32,15 @@ def tiny_data(tiny_target, tmp_path_factory) -> Path:
     return greedy_dataset(tiny_target, prompts, 56, tmp_path_factory.mktemp("data") / "ds")
 
 
+@pytest.fixture(scope="session")
+def vllm_sized_target(tmp_path_factory) -> Path:
+    """A tiny random Qwen3 whose head size vLLM's CPU attention kernels take (64; `tiny_target` has 16).
+    No tokenizer: the engine runs on token ids, and stops at the config's EOS (id 2)."""
+    from trainer.demo.synth import tiny_target
+
+    return tiny_target(tmp_path_factory.mktemp("vllm-target") / "target", num_layers=2, hidden=256)
+
+
 def write_config(path: Path, target_path: Path, data_path: Path, out_path: Path, **sections) -> Path:
     """A run.yaml like the issue's example; `sections` update (dicts) or replace (scalars) keys."""
     raw = {

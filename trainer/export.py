@@ -42,6 +42,28 @@ def probe_logits(drafter, seed: int = 0, ctx: int = 12) -> torch.Tensor:
     return CachedDrafter(drafter, int(drafter.config.block_size)).block_logits(feats, anchor, ctx)
 
 
+def has_sliding_layers(config) -> bool:
+    """Whether any draft layer is a sliding-window layer (speculators' `transformer_layer_config`)."""
+    layers = config.transformer_layer_config
+    types = getattr(layers, "layer_types", None) or []
+    return bool(getattr(layers, "use_sliding_window", False)) or "sliding_attention" in types
+
+
+def serve_as_trained(config) -> str:
+    """Make vLLM run the draft block the way speculators trained it, and say how.
+
+    speculators trains full-attention draft layers with a non-causal block whatever
+    `sliding_window_non_causal` says (the flag is about sliding-window layers only); vLLM 0.32 turns
+    that flag into a causal override for *every* layer, so a default export (flag false) is served
+    with a causal draft block: measured here, tau 2.224 served against 2.243 in the harness, 2.243
+    in both once the flag is set. With no sliding-window layer, setting it changes nothing in
+    speculators (the reload check proves it) and makes vLLM serve the block non-causal."""
+    if has_sliding_layers(config):
+        return "as configured (sliding-window layers: sliding_window_non_causal left as trained)"
+    config.sliding_window_non_causal = True
+    return "non-causal, as trained (sliding_window_non_causal set so that vLLM does not serve it causal)"
+
+
 def _round_to(model, dtype: torch.dtype | None):
     """The weights as the export stores them (cast to `dtype`, back to fp32 for the probe)."""
     if dtype is not None:
@@ -89,6 +111,7 @@ def export(
     model = load_drafter(folder, target, torch.device("cpu"))
     before = probe_logits(_round_to(model, cast))
     model.config.speculators_config.verifier.name_or_path = verifier or str(target)
+    attention = serve_as_trained(model.config)
     tmp = out.parent / f".{out.name}.tmp"
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -120,6 +143,7 @@ def export(
             "bytes_after": size_after,
             "files": {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()},
             "reload_check": "bit-identical drafter logits on a probe block",
+            "draft_block_attention": attention,
             "serve": serve_command(verifier or str(target), out.resolve(), B),
         }
         atomic_write_text(tmp / "dflash_export.json", json.dumps(info, indent=1))

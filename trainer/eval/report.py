@@ -89,6 +89,7 @@ def render_markdown(rep: dict[str, Any], png_name: str | None) -> str:
         lines.append(f"> **warning**: {w}")
     if rep["warnings"]:
         lines.append("")
+    lines += render_served(rep)
     lines += [
         "## Acceptance by position",
         "",
@@ -97,7 +98,7 @@ def render_markdown(rep: dict[str, Any], png_name: str | None) -> str:
         "| accepted | " + " | ".join(fmt_number(p) for p in rep["per_position_acceptance"]) + " |",
         "",
     ]
-    hist = rep["acceptance_histogram"]
+    hist = rep["acceptance_histogram"] or {"-": "-"}
     lines += [
         "## Accepted drafts per round",
         "",
@@ -122,6 +123,45 @@ def render_markdown(rep: dict[str, Any], png_name: str | None) -> str:
             f"{p['stopped']} | {mark} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def render_served(rep: dict[str, Any]) -> list[str]:
+    """The "served by vLLM" section (`dflash eval --engine vllm|both`): vLLM's own counts, and with
+    `both` whether they agree with the harness and the checks that tell the usual causes apart."""
+    sv = rep.get("served")
+    if not sv:
+        return []
+    view = sv["engine_view"]
+    lines = [
+        f"## Served by {sv['engine']} ({sv['dtype']}, {sv['device']})",
+        "",
+        "The number a server running this drafter shows: vLLM's own spec-decode counters, "
+        "tau = 1 + accepted / drafts.",
+        "",
+        "| tau (vLLM) | drafts | accepted | tokens/s | start s | layers tapped | mask token | causal |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        f"| **{fmt_number(sv['tau'])}** | {sv['drafts']} | {sv['accepted']} | "
+        f"{fmt_number(sv['tokens_per_s'], 1)} | {fmt_number(sv['start_s'], 1)} | {view['aux_layer_ids']} | "
+        f"{view['mask_token_id']} | {view['causal']} |",
+        "",
+        "| slot | " + " | ".join(str(k) for k in range(1, len(sv["per_position_acceptance"]) + 1)) + " |",
+        "| --- |" + " --- |" * len(sv["per_position_acceptance"]),
+        "| accepted (vLLM) | " + " | ".join(fmt_number(p) for p in sv["per_position_acceptance"]) + " |",
+        "",
+    ]
+    agree = rep.get("engine_agreement")
+    if agree:
+        verdict = "agree" if agree["ok"] else "**DISAGREE**"
+        lines += [
+            f"Harness tau {fmt_number(agree['tau_harness'])}, vLLM tau {fmt_number(agree['tau_vllm'])}: "
+            f"{verdict} (difference {fmt_number(agree['difference'])}, tolerance {agree['tolerance']}).",
+            "",
+        ]
+    checks = agree["checks"] if agree else sv["checks"]
+    lines += ["| check | ok | detail |", "| --- | --- | --- |"]
+    lines += [f"| {c['check']} | {'ok' if c['ok'] else 'NO'} | {c['detail']} |" for c in checks]
+    lines.append("")
+    return lines
 
 
 def _plt():
@@ -187,6 +227,7 @@ def comparison_rows(reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "rounds": r["rounds"],
             "per_position_acceptance": r["per_position_acceptance"],
             "lossless_ok": r["lossless"]["ok"],
+            "tau_vllm": (r.get("served") or {}).get("tau"),
         }
         for r in reports
     ]
@@ -196,14 +237,21 @@ def render_table(reports: list[dict[str, Any]]) -> str:
     """The side-by-side text table `dflash eval` prints for several drafters."""
     B = max(r["block_size"] for r in reports)
     width = max(8, *(len(r["label"]) for r in reports))
-    head = f"{'drafter':{width}}  {'tau':>6}  {'tok/s':>8}  " + " ".join(
-        f"{'p' + str(k):>5}" for k in range(1, B)
+    served = any(r.get("served") for r in reports) and any(r["mode"] != "served" for r in reports)
+    head = (
+        f"{'drafter':{width}}  {'tau':>6}  "
+        + (f"{'vLLM':>6}  " if served else "")
+        + f"{'tok/s':>8}  "
+        + " ".join(f"{'p' + str(k):>5}" for k in range(1, B))
     )
     out = [head, "-" * len(head)]
     for r in reports:
         pp = r["per_position_acceptance"] + [None] * (B - r["block_size"])
+        tau_vllm = (r.get("served") or {}).get("tau")
         out.append(
-            f"{r['label']:{width}}  {fmt_number(r['tau']):>6}  {fmt_number(r['tokens_per_s'], 1):>8}  "
+            f"{r['label']:{width}}  {fmt_number(r['tau']):>6}  "
+            + (f"{fmt_number(tau_vllm):>6}  " if served else "")
+            + f"{fmt_number(r['tokens_per_s'], 1):>8}  "
             + " ".join(f"{fmt_number(p, 2):>5}" for p in pp)
         )
     return "\n".join(out)

