@@ -9,7 +9,10 @@ the untrained and the trained drafter on held-out prompts. Prints tau before/aft
 acceptance and the wall time of each phase. Goal: tau >= 2.0 at block size 8 within
 60 CPU-minutes.
 
-    .venv/bin/python bench/quality_smollm2.py --out runs/quality --train-minutes 30
+    .venv/bin/python bench/quality_smollm2.py --out runs/quality --train-minutes 30 [--engine both]
+
+`--engine both` also measures tau as vLLM serves the trained drafter (bench/served_tau.py compares it
+with a causally served block on the same run).
 
 Re-running with the same --out reuses finished phases (regeneration resumes where it stopped).
 """
@@ -55,6 +58,18 @@ def main() -> int:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--tokens-per-step", type=int, default=512)
     ap.add_argument("--eval-tokens", type=int, default=64)
+    ap.add_argument(
+        "--regen-backend",
+        choices=("transformers", "vllm"),
+        default="transformers",
+        help="dflash regenerate's",
+    )
+    ap.add_argument(
+        "--engine",
+        choices=("harness", "both"),
+        default="harness",
+        help="both: also tau as vLLM serves the trained drafter (tau_vllm in the summary)",
+    )
     args = ap.parse_args()
 
     import yaml
@@ -98,6 +113,8 @@ def main() -> int:
             str(args.regen_batch),
             "--device",
             "cpu",
+            "--backend",
+            args.regen_backend,
         ],
         env=env,
         check=True,
@@ -177,6 +194,8 @@ def main() -> int:
             "cpu",
             "--check-lossless",
             "4",
+            "--engine",
+            args.engine,
             "--out",
             str(report),
         ],
@@ -190,6 +209,8 @@ def main() -> int:
     summary = {
         "tau_untrained": before["tau"],
         "tau_trained": after["tau"],
+        "tau_vllm_trained": (after.get("served") or {}).get("tau"),
+        "regenerate_backend": args.regen_backend,
         "per_position_acceptance_trained": after["per_position_acceptance"],
         "lossless_ok": [before["lossless"]["ok"], after["lossless"]["ok"]],
         "train_steps_done": last.get("step"),
