@@ -6,6 +6,8 @@ embedding and heads come from the verifier at load time). The export is reloaded
 bit-identical drafter logits on a probe before it appears under its final name. Beside the
 weights: dflash_export.json (provenance, sizes, the serve line) and dflash_data.json (the chat
 template / thinking mode of the training data, when known: `dflash eval` compares them).
+`vllm_check`: vLLM loads the export and must read it as trained (off by default: it starts an engine,
+a minute and, on a GPU, most of a GPU's memory, which a node in the middle of a run does not have).
 """
 
 from __future__ import annotations
@@ -64,6 +66,23 @@ def serve_as_trained(config) -> str:
     return "non-causal, as trained (sliding_window_non_causal set so that vLLM does not serve it causal)"
 
 
+def vllm_load_check(folder: Path, target: Path, block_size: int) -> dict[str, Any]:
+    """vLLM loads the export beside its target and drafts a few tokens; how it read the config (layers
+    tapped, mask token, causality) must be how the drafter was trained, or the export is refused."""
+    from trainer.eval.served import ServedError, serve_export
+
+    vocab = int(json.loads((Path(target) / "config.json").read_text()).get("vocab_size", 32))
+    probe = [[(7 * i + 3) % vocab for i in range(12)]]
+    try:
+        served = serve_export(folder, target, probe, 8, block_size, set(), flag="--vllm-check")
+    except ServedError as exc:
+        raise ExportError(str(exc)) from None
+    failed = [c["detail"] for c in served["checks"] if not c["ok"]]
+    if failed:
+        raise ExportError("vLLM would serve another drafter than the one trained: " + "; ".join(failed))
+    return {k: served[k] for k in ("engine", "dtype", "device", "engine_view", "checks", "start_s")}
+
+
 def _round_to(model, dtype: torch.dtype | None):
     """The weights as the export stores them (cast to `dtype`, back to fp32 for the probe)."""
     if dtype is not None:
@@ -78,6 +97,7 @@ def export(
     target: Path | None = None,
     verifier: str | None = None,
     dtype: str | None = None,
+    vllm_check: bool = False,
 ) -> dict[str, Any]:
     from trainer.checkpoint import SUMS, read_meta, verify_checkpoint
     from trainer.eval.models import load_drafter, resolve_drafter_dir
@@ -125,6 +145,7 @@ def export(
                 f"the reloaded export gives different logits (max diff "
                 f"{(before - after).abs().max().item():.3g}): export refused"
             )
+        loaded_by_vllm = vllm_load_check(tmp, target, int(model.config.block_size)) if vllm_check else None
         step = read_meta(folder).get("step") if (folder / "meta.json").is_file() else None
         data_meta, data_where = training_data_meta(folder)
         if data_meta is not None:
@@ -144,6 +165,7 @@ def export(
             "files": {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()},
             "reload_check": "bit-identical drafter logits on a probe block",
             "draft_block_attention": attention,
+            "vllm_load_check": loaded_by_vllm or "not run (dflash export --vllm-check runs it)",
             "serve": serve_command(verifier or str(target), out.resolve(), B),
         }
         atomic_write_text(tmp / "dflash_export.json", json.dumps(info, indent=1))
@@ -158,5 +180,11 @@ def export(
         "MiB after"
     )
     print("reload check: bit-identical drafter logits")
+    if loaded_by_vllm:
+        print(
+            f"vLLM load check: {loaded_by_vllm['engine']} serves it as trained (taps "
+            f"{loaded_by_vllm['engine_view']['aux_layer_ids']}, mask token "
+            f"{loaded_by_vllm['engine_view']['mask_token_id']}, non-causal block)"
+        )
     print(f"serve it with:\n  {info['serve']}")
     return info

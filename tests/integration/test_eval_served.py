@@ -67,7 +67,8 @@ def test_vllm_counts_the_harness_tau_and_a_causally_served_export_is_caught(
     """--engine both on the run's checkpoint: vLLM's own counters give the harness's tau (measured on
     this CPU: identical rounds and accepted tokens), the committed text is the same. An export as
     `dflash export` wrote it before it set `sliding_window_non_causal` is served by vLLM with a causal
-    draft block (the drafter was trained non-causal): --engine vllm alone names that and fails."""
+    draft block (the drafter was trained non-causal): --engine vllm alone names that and fails. Today's
+    export passes `dflash export --vllm-check`."""
     # prompts the drafter was trained on: the comparison needs a tau well above 1, not generalisation
     prompts = write_prompt_file(tmp_path / "p.jsonl", [{"input_ids": p} for p in tiny_prompts(6)])
     out = tmp_path / "both" / "report.json"
@@ -110,7 +111,11 @@ def test_vllm_counts_the_harness_tau_and_a_causally_served_export_is_caught(
 
     # the export as written before: the flag false, which vLLM turns into a causal override
     exp = tmp_path / "export"
-    assert dflash("export", "--checkpoint", served_run, "--out", exp).returncode == 0
+    res = dflash("export", "--checkpoint", served_run, "--out", exp, "--vllm-check")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "vLLM load check: vllm " in res.stdout and "serves it as trained (taps [1, 3]" in res.stdout
+    check = json.loads((exp / "dflash_export.json").read_text())["vllm_load_check"]
+    assert check["engine_view"]["causal"] is False and all(c["ok"] for c in check["checks"])
     cfg = json.loads((exp / "config.json").read_text())
     assert cfg["sliding_window_non_causal"] is True
     cfg["sliding_window_non_causal"] = False

@@ -79,7 +79,14 @@ def cmd_eval(args) -> int:
 def cmd_export(args) -> int:
     from trainer.export import export
 
-    export(args.checkpoint, args.out, target=args.target, verifier=args.verifier, dtype=args.dtype)
+    export(
+        args.checkpoint,
+        args.out,
+        target=args.target,
+        verifier=args.verifier,
+        dtype=args.dtype,
+        vllm_check=args.vllm_check,
+    )
     return 0
 
 
@@ -181,6 +188,12 @@ def register(sub) -> None:
         choices=("float32", "bfloat16", "float16"),
         default=None,
         help="cast the weights (default: as trained)",
+    )
+    p.add_argument(
+        "--vllm-check",
+        action="store_true",
+        help="vLLM loads the export and drafts a few tokens; refused unless it taps the trained layers, "
+        "uses the trained mask token and runs the block as trained (needs vllm; about a minute)",
     )
     p.set_defaults(func=cmd_export)
 

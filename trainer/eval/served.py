@@ -104,45 +104,63 @@ def served_acceptance(
     """Serve the drafter in vLLM on `prompts` (greedy, up to `max_new_tokens`, `block_size` - 1 draft
     tokens per round) and return vLLM's counts: tau, per-position acceptance, the committed tokens per
     prompt, how vLLM read the drafter's config, the engine's version and wall times."""
+    scratch = Path(tempfile.mkdtemp(prefix="dflash-served-"))
+    try:
+        model = exported(folder, target, scratch)
+        return serve_export(
+            model, target, prompts, max_new_tokens, block_size, stop_ids, device=device, dtype=dtype
+        )
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def serve_export(
+    model: Path,
+    target: Path,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    block_size: int,
+    stop_ids: set[int],
+    *,
+    device: str = "auto",
+    dtype: str = "auto",
+    flag: str = "--engine vllm",
+) -> dict[str, Any]:
+    """`served_acceptance` for a folder in the export format (config.json + weights)."""
     from trainer import vllm_engine
     from trainer.sources.hooked import resolve_dtype
 
-    vllm = vllm_engine.import_vllm("--engine vllm", ServedError)
+    vllm = vllm_engine.import_vllm(flag, ServedError)
     cpu = vllm_engine.on_cpu(device, ServedError)
     import torch
 
     # the harness's dtype unless told otherwise: fp32 on a CPU, bf16 on a GPU
     dtype = str(resolve_dtype(dtype, torch.device("cpu" if cpu else "cuda"))).removeprefix("torch.")
-    scratch = Path(tempfile.mkdtemp(prefix="dflash-served-"))
+    started = time.perf_counter()
+    longest = max(len(p) for p in prompts)
+    llm = vllm_engine.build_engine(
+        vllm,
+        target,
+        cpu=cpu,
+        dtype=dtype,
+        stats=True,
+        max_model_len=longest + max_new_tokens + block_size + 8,
+        speculative_config={
+            "method": "dflash",
+            "model": str(model),
+            "num_speculative_tokens": block_size - 1,
+        },
+    )
     try:
-        model = exported(folder, target, scratch)
+        start_s = time.perf_counter() - started
         started = time.perf_counter()
-        longest = max(len(p) for p in prompts)
-        llm = vllm_engine.build_engine(
-            vllm,
-            target,
-            cpu=cpu,
-            dtype=dtype,
-            stats=True,
-            max_model_len=longest + max_new_tokens + block_size + 8,
-            speculative_config={
-                "method": "dflash",
-                "model": str(model),
-                "num_speculative_tokens": block_size - 1,
-            },
-        )
-        try:
-            start_s = time.perf_counter() - started
-            started = time.perf_counter()
-            tokens = vllm_engine.greedy(llm, prompts, max_new_tokens, sorted(stop_ids))
-            decode_s = time.perf_counter() - started
-            counts = counters(llm)
-            view = engine_view(llm)
-        finally:
-            vllm_engine.shutdown(llm)
-        declared = json.loads((Path(model) / "config.json").read_text())
+        tokens = vllm_engine.greedy(llm, prompts, max_new_tokens, sorted(stop_ids))
+        decode_s = time.perf_counter() - started
+        counts = counters(llm)
+        view = engine_view(llm)
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        vllm_engine.shutdown(llm)
+    declared = json.loads((Path(model) / "config.json").read_text())
     drafts = counts["drafts"]
     new_tokens = sum(len(t) for t in tokens)
     out = {
