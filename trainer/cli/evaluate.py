@@ -103,11 +103,15 @@ def cmd_regenerate(args) -> int:
             chat_template=args.chat_template,
             thinking=args.thinking,
             limit=args.limit,
-            backend=args.backend,
+            backend=args.backend or ("server" if args.server else "transformers"),
             device=args.device,
             ignore_eos=args.ignore_eos,
             dtype=args.dtype,
             tensor_parallel_size=args.tensor_parallel_size,
+            server=args.server,
+            concurrency=args.concurrency,
+            request_timeout_s=args.request_timeout,
+            retries=args.retries,
         )
     )
     return 0
@@ -210,7 +214,23 @@ def register(sub) -> None:
     p.add_argument("--out", required=True, type=Path, help="dataset folder (datasets.save_to_disk)")
     p.add_argument("--max-new-tokens", type=_positive, default=256)
     p.add_argument("--batch-size", type=_positive, default=16)
-    p.add_argument("--backend", choices=("transformers", "vllm"), default="transformers")
+    p.add_argument(
+        "--backend",
+        choices=("transformers", "vllm"),
+        default=None,
+        help="the engine in this process (default transformers; not with --server)",
+    )
+    p.add_argument(
+        "--server",
+        default=None,
+        metavar="URL",
+        help="an OpenAI-compatible engine already running (vllm serve TARGET), e.g. http://127.0.0.1:8000",
+    )
+    p.add_argument("--concurrency", type=_positive, default=16, help="--server: requests in flight (16)")
+    p.add_argument("--request-timeout", type=float, default=600.0, help="--server: seconds per request (600)")
+    p.add_argument(
+        "--retries", type=int, default=4, help="--server: retries per request, exponential backoff (4)"
+    )
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument(
         "--dtype",

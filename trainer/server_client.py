@@ -1,0 +1,87 @@
+"""Regeneration against an already running OpenAI-compatible engine (`dflash regenerate --server URL`):
+token-id prompts to its completions endpoint, greedy, the new tokens back as ids.
+
+The openai client does the HTTP, the per-request timeout and the retries with exponential backoff
+(connection errors, 408/429/5xx); a thread pool bounds the requests in flight. Token ids in and out
+need vLLM's extensions of the completions API (`return_token_ids`, `stop_token_ids`, `ignore_eos`):
+`vllm serve` has them; a server without `return_token_ids` is refused on the first answer, not
+silently re-tokenized."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from trainer.errors import DflashError
+
+
+class ServerError(DflashError, RuntimeError):
+    """The server cannot be used; the message says why."""
+
+
+class ServerBackend:
+    name = "server"
+
+    def __init__(
+        self,
+        url: str,
+        stop_ids: list[int],
+        *,
+        concurrency: int = 16,
+        timeout_s: float = 600.0,
+        retries: int = 4,
+    ):
+        try:
+            import openai
+        except ImportError as exc:  # a runtime requirement (requirements/runtime.txt)
+            raise ServerError(f"--server: the openai client is not installed ({exc})") from None
+        self.url = url.rstrip("/")
+        base = self.url if self.url.endswith("/v1") else self.url + "/v1"
+        self.client = openai.OpenAI(base_url=base, api_key="EMPTY", timeout=timeout_s, max_retries=retries)
+        self.stop_ids = sorted(stop_ids)
+        self.concurrency = concurrency
+        try:
+            models = self.client.models.list().data
+        except openai.APIError as exc:
+            raise ServerError(f"--server {url}: no OpenAI-compatible server answers there ({exc})") from None
+        if not models:
+            raise ServerError(f"--server {url}: the server serves no model")
+        self.model = models[0].id
+        extra = models[0].model_extra or {}
+        self.max_model_len = extra.get("max_model_len")
+        self.version = f"server {self.url} ({self.model}, {models[0].owned_by})"
+
+    def _one(self, prompt: list[int], max_new_tokens: int) -> list[int]:
+        if self.max_model_len and len(prompt) + max_new_tokens > self.max_model_len:
+            raise ServerError(
+                f"a prompt of {len(prompt)} tokens + --max-new-tokens {max_new_tokens} exceeds the server's "
+                f"max_model_len {self.max_model_len}: restart it with a larger one, or shorten the prompts"
+            )
+        resp = self.client.completions.create(
+            model=self.model,
+            prompt=list(prompt),
+            max_tokens=max_new_tokens,
+            temperature=0.0,
+            extra_body={
+                "return_token_ids": True,
+                "stop_token_ids": self.stop_ids or None,
+                "ignore_eos": True,  # the model's EOS is not a stop unless it is one of stop_ids
+                "skip_special_tokens": False,
+            },
+        )
+        choice = resp.choices[0]
+        extra: dict[str, Any] = choice.model_extra or {}
+        ids = extra.get("token_ids")
+        if ids is None:
+            raise ServerError(
+                f"--server {self.url}: the answer carries no token ids (the server does not support "
+                "return_token_ids; vllm serve does)"
+            )
+        seen = extra.get("prompt_token_ids")
+        if seen is not None and list(seen) != list(prompt):
+            raise ServerError(f"--server {self.url}: the server read other prompt tokens than were sent")
+        return list(ids)
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        with ThreadPoolExecutor(max_workers=min(self.concurrency, len(prompts))) as pool:
+            return list(pool.map(lambda p: self._one(p, max_new_tokens), prompts))
