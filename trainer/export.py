@@ -66,7 +66,7 @@ def serve_as_trained(config) -> str:
     return "non-causal, as trained (sliding_window_non_causal set so that vLLM does not serve it causal)"
 
 
-def vllm_load_check(folder: Path, target: Path, block_size: int) -> dict[str, Any]:
+def vllm_load_check(folder: Path, target: Path, block_size: int, source: Path) -> dict[str, Any]:
     """vLLM loads the export beside its target and drafts a few tokens; how it read the config (layers
     tapped, mask token, causality) must be how the drafter was trained, or the export is refused."""
     from trainer.eval.served import ServedError, serve_export
@@ -74,7 +74,7 @@ def vllm_load_check(folder: Path, target: Path, block_size: int) -> dict[str, An
     vocab = int(json.loads((Path(target) / "config.json").read_text()).get("vocab_size", 32))
     probe = [[(7 * i + 3) % vocab for i in range(12)]]
     try:
-        served = serve_export(folder, target, probe, 8, block_size, set(), flag="--vllm-check")
+        served = serve_export(folder, target, probe, 8, block_size, set(), flag="--vllm-check", source=source)
     except ServedError as exc:
         raise ExportError(str(exc)) from None
     failed = [c["detail"] for c in served["checks"] if not c["ok"]]
@@ -145,7 +145,9 @@ def export(
                 f"the reloaded export gives different logits (max diff "
                 f"{(before - after).abs().max().item():.3g}): export refused"
             )
-        loaded_by_vllm = vllm_load_check(tmp, target, int(model.config.block_size)) if vllm_check else None
+        loaded_by_vllm = (
+            vllm_load_check(tmp, target, int(model.config.block_size), folder) if vllm_check else None
+        )
         step = read_meta(folder).get("step") if (folder / "meta.json").is_file() else None
         data_meta, data_where = training_data_meta(folder)
         if data_meta is not None:

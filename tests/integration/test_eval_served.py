@@ -68,7 +68,8 @@ def test_vllm_counts_the_harness_tau_and_a_causally_served_export_is_caught(
     this CPU: identical rounds and accepted tokens), the committed text is the same. An export as
     `dflash export` wrote it before it set `sliding_window_non_causal` is served by vLLM with a causal
     draft block (the drafter was trained non-causal): --engine vllm alone names that and fails. Today's
-    export passes `dflash export --vllm-check`."""
+    export passes `dflash export --vllm-check`; a mask token edited in the export's config is caught
+    against the checkpoint it was exported from."""
     # prompts the drafter was trained on: the comparison needs a tau well above 1, not generalisation
     prompts = write_prompt_file(tmp_path / "p.jsonl", [{"input_ids": p} for p in tiny_prompts(6)])
     out = tmp_path / "both" / "report.json"
@@ -119,6 +120,7 @@ def test_vllm_counts_the_harness_tau_and_a_causally_served_export_is_caught(
     cfg = json.loads((exp / "config.json").read_text())
     assert cfg["sliding_window_non_causal"] is True
     cfg["sliding_window_non_causal"] = False
+    cfg["mask_token_id"] = 509  # and a mask token edited by hand: not the one trained
     (exp / "config.json").write_text(json.dumps(cfg))
     out = tmp_path / "old" / "report.json"
     res = dflash(
@@ -133,8 +135,12 @@ def test_vllm_counts_the_harness_tau_and_a_causally_served_export_is_caught(
     rep = json.loads(out.read_text())
     assert rep["mode"] == "served" and rep["served"]["engine_view"]["causal"] is True
     assert rep["tau"] == rep["served"]["tau"] and rep["rounds"] == rep["served"]["drafts"] > 0
-    failed = [c["check"] for c in rep["served"]["checks"] if not c["ok"]]
-    assert failed == ["draft-block attention"]
+    failed = {c["check"]: c["detail"] for c in rep["served"]["checks"] if not c["ok"]}
+    assert sorted(failed) == ["draft-block attention", "mask token"]
+    assert (
+        "trained with mask token 511" in failed["mask token"]
+        and "vLLM drafts with 509" in failed["mask token"]
+    )
 
 
 def test_an_unknown_engine_and_vllm_with_the_reference_loop_are_refused(served_run, served_target, tmp_path):

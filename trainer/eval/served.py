@@ -90,6 +90,24 @@ def trained_causal(config: dict[str, Any]) -> bool | None:
     return True if types and all(t == "sliding_attention" for t in types) else None
 
 
+def as_trained(model: Path, declared: dict[str, Any], source: Path | None = None) -> dict[str, Any]:
+    """The wiring the drafter was trained with: the config of the checkpoint the export was made from
+    (`source`, or `dflash_export.json`'s, when that folder is still here), else the export's own."""
+    info = Path(model) / EXPORT_INFO
+    if source is None and info.is_file():
+        source = json.loads(info.read_text()).get("source")
+    cfg = Path(source) / "config.json" if source else None
+    if cfg is not None and cfg.is_file():
+        trained, where = json.loads(cfg.read_text()), str(source)
+    else:
+        trained, where = declared, "the export itself (its source checkpoint is not here)"
+    return {
+        "aux_layer_ids": trained.get("aux_hidden_state_layer_ids"),
+        "mask_token_id": trained.get("mask_token_id"),
+        "from": where,
+    }
+
+
 def served_acceptance(
     folder: Path,
     target: Path,
@@ -125,8 +143,10 @@ def serve_export(
     device: str = "auto",
     dtype: str = "auto",
     flag: str = "--engine vllm",
+    source: Path | None = None,
 ) -> dict[str, Any]:
-    """`served_acceptance` for a folder in the export format (config.json + weights)."""
+    """`served_acceptance` for a folder in the export format (config.json + weights); `source`: the
+    checkpoint it was made from (default: the one its dflash_export.json names)."""
     from trainer import vllm_engine
     from trainer.sources.hooked import resolve_dtype
 
@@ -180,6 +200,7 @@ def serve_export(
             "mask_token_id": declared.get("mask_token_id"),
             "trained_causal": trained_causal(declared),
         },
+        "trained": as_trained(Path(model), declared, source),
         "tokens": tokens,
     }
     out["checks"] = config_checks(out)
@@ -193,19 +214,21 @@ def _check(name: str, ok: bool, detail: str, decisive: bool) -> dict[str, Any]:
 def config_checks(served: dict[str, Any]) -> list[dict[str, Any]]:
     """What vLLM made of the drafter's config against what it declares and how it was trained. Each is
     decisive: a failure means the server runs a different drafter than the one trained."""
-    view, declared = served["engine_view"], served["declared"]
+    view, declared, wired = served["engine_view"], served["declared"], served["trained"]
     trained = declared["trained_causal"]
     return [
         _check(
             "layer ids",
-            view["aux_layer_ids"] == declared["aux_layer_ids"],
-            f"the export declares {declared['aux_layer_ids']}, vLLM taps {view['aux_layer_ids']}",
+            view["aux_layer_ids"] == wired["aux_layer_ids"],
+            f"trained on target layers {wired['aux_layer_ids']} ({wired['from']}), the export declares "
+            f"{declared['aux_layer_ids']}, vLLM taps {view['aux_layer_ids']}",
             True,
         ),
         _check(
             "mask token",
-            view["mask_token_id"] == declared["mask_token_id"],
-            f"the export declares {declared['mask_token_id']}, vLLM drafts with {view['mask_token_id']}",
+            view["mask_token_id"] == wired["mask_token_id"],
+            f"trained with mask token {wired['mask_token_id']}, the export declares "
+            f"{declared['mask_token_id']}, vLLM drafts with {view['mask_token_id']}",
             True,
         ),
         _check(
