@@ -153,6 +153,12 @@ def test_cli_parses_the_eval_export_and_regenerate_verbs():
         [str(d) for d in args.drafter] == ["a", "b"] and args.check_lossless == -1 and args.thinking == "off"
     )
     args = build_parser().parse_args(["regenerate", "--target", "t", "--prompts", "p", "--out", "o"])
-    assert args.backend == "transformers" and args.max_new_tokens == 256 and args.chat_template is None
+    # no --backend: transformers, or the server backend when --server is given (cmd_regenerate resolves it)
+    assert args.backend is None and args.server is None and args.max_new_tokens == 256
+    assert args.chat_template is None and args.concurrency == 16 and args.retries == 4
+    args = build_parser().parse_args(
+        ["eval", "--drafter", "a", "--target", "t", "--prompts", "p", "--out", "r.json", "--engine", "both"]
+    )
+    assert args.engine == "both" and args.served_tolerance == 0.1
     args = build_parser().parse_args(["export", "--checkpoint", "c", "--out", "o", "--dtype", "bfloat16"])
     assert args.dtype == "bfloat16"
