@@ -84,7 +84,11 @@ def test_cpu_smoke_runs_every_stage_and_imports_only_what_the_gpu_machine_will_h
     t, o, e = shape["train"], shape["overhead"], shape["eval"]
     # dflash train really ran its 6 steps (one event each) on finite losses
     assert t["steps"] == 6 and t["all_finite"] and t["tokens_per_s"] > 0
-    assert 0 < t["target_s_median"] + t["drafter_s_median"] <= t["step_s_median"] * 1.01
+    # each part is timed inside its step, so each part's median is at most the steps' median (order
+    # statistics are monotone); the sum of two medians is not bounded by the median of the sums, so it
+    # gets slack for a loaded machine (seen: 0.0524 against 0.0508 with the suite's two lanes running)
+    assert 0 < t["target_s_median"] <= t["step_s_median"] and 0 < t["drafter_s_median"] <= t["step_s_median"]
+    assert t["target_s_median"] + t["drafter_s_median"] <= t["step_s_median"] * 1.25
     assert t["mfu_vs_datasheet"] is None  # no datasheet rate for a CPU
     assert t["mfu_vs_measured_matmul"] == pytest.approx(t["achieved_tflops"] / report["matmul_tflops"])
     # the memory model's parts for the same shapes sit beside the measured peak (RSS on a CPU)
