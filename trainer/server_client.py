@@ -5,7 +5,11 @@ The openai client does the HTTP, the per-request timeout and the retries with ex
 (connection errors, 408/429/5xx); a thread pool bounds the requests in flight. Token ids in and out
 need vLLM's extensions of the completions API (`return_token_ids`, `stop_token_ids`, `ignore_eos`):
 `vllm serve` has them; a server without `return_token_ids` is refused on the first answer, not
-silently re-tokenized."""
+silently re-tokenized.
+
+Several URLs (one engine per GPU, data parallel): the prompts of a batch are dealt round robin over
+them, `concurrency` requests in flight per engine; every engine must serve the same model.
+"""
 
 from __future__ import annotations
 
@@ -19,12 +23,30 @@ class ServerError(DflashError, RuntimeError):
     """The server cannot be used; the message says why."""
 
 
+class _Engine:
+    """One server: its client, the model it serves and its length limit."""
+
+    def __init__(self, openai, url: str, timeout_s: float, retries: int):
+        self.url = url.rstrip("/")
+        base = self.url if self.url.endswith("/v1") else self.url + "/v1"
+        self.client = openai.OpenAI(base_url=base, api_key="EMPTY", timeout=timeout_s, max_retries=retries)
+        try:
+            models = self.client.models.list().data
+        except openai.APIError as exc:
+            raise ServerError(f"--server {url}: no OpenAI-compatible server answers there ({exc})") from None
+        if not models:
+            raise ServerError(f"--server {url}: the server serves no model")
+        self.model = models[0].id
+        self.owner = models[0].owned_by
+        self.max_model_len = (models[0].model_extra or {}).get("max_model_len")
+
+
 class ServerBackend:
     name = "server"
 
     def __init__(
         self,
-        url: str,
+        urls: list[str] | str,
         stop_ids: list[int],
         *,
         concurrency: int = 16,
@@ -35,29 +57,32 @@ class ServerBackend:
             import openai
         except ImportError as exc:  # a runtime requirement (requirements/runtime.txt)
             raise ServerError(f"--server: the openai client is not installed ({exc})") from None
-        self.url = url.rstrip("/")
-        base = self.url if self.url.endswith("/v1") else self.url + "/v1"
-        self.client = openai.OpenAI(base_url=base, api_key="EMPTY", timeout=timeout_s, max_retries=retries)
+        urls = [urls] if isinstance(urls, str) else list(urls)
+        if not urls or len(set(u.rstrip("/") for u in urls)) != len(urls):
+            raise ServerError(f"--server: give each engine's URL once ({', '.join(urls) or 'none given'})")
+        self.engines = [_Engine(openai, u, timeout_s, retries) for u in urls]
+        models = {e.model for e in self.engines}
+        if len(models) > 1:
+            raise ServerError(
+                "--server: the engines serve different models ("
+                + ", ".join(f"{e.url}: {e.model}" for e in self.engines)
+                + "): one regeneration needs one target"
+            )
         self.stop_ids = sorted(stop_ids)
         self.concurrency = concurrency
-        try:
-            models = self.client.models.list().data
-        except openai.APIError as exc:
-            raise ServerError(f"--server {url}: no OpenAI-compatible server answers there ({exc})") from None
-        if not models:
-            raise ServerError(f"--server {url}: the server serves no model")
-        self.model = models[0].id
-        extra = models[0].model_extra or {}
-        self.max_model_len = extra.get("max_model_len")
-        self.version = f"server {self.url} ({self.model}, {models[0].owned_by})"
+        self.model = self.engines[0].model
+        limits = [e.max_model_len for e in self.engines if e.max_model_len]
+        self.max_model_len = min(limits) if limits else None
+        self.url = ", ".join(e.url for e in self.engines)
+        self.version = f"server {self.url} ({self.model}, {self.engines[0].owner})"
 
-    def _one(self, prompt: list[int], max_new_tokens: int) -> list[int]:
+    def _one(self, engine: _Engine, prompt: list[int], max_new_tokens: int) -> list[int]:
         if self.max_model_len and len(prompt) + max_new_tokens > self.max_model_len:
             raise ServerError(
                 f"a prompt of {len(prompt)} tokens + --max-new-tokens {max_new_tokens} exceeds the server's "
                 f"max_model_len {self.max_model_len}: restart it with a larger one, or shorten the prompts"
             )
-        resp = self.client.completions.create(
+        resp = engine.client.completions.create(
             model=self.model,
             prompt=list(prompt),
             max_tokens=max_new_tokens,
@@ -74,14 +99,20 @@ class ServerBackend:
         ids = extra.get("token_ids")
         if ids is None:
             raise ServerError(
-                f"--server {self.url}: the answer carries no token ids (the server does not support "
+                f"--server {engine.url}: the answer carries no token ids (the server does not support "
                 "return_token_ids; vllm serve does)"
             )
         seen = extra.get("prompt_token_ids")
         if seen is not None and list(seen) != list(prompt):
-            raise ServerError(f"--server {self.url}: the server read other prompt tokens than were sent")
+            raise ServerError(f"--server {engine.url}: the server read other prompt tokens than were sent")
         return list(ids)
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-        with ThreadPoolExecutor(max_workers=min(self.concurrency, len(prompts))) as pool:
-            return list(pool.map(lambda p: self._one(p, max_new_tokens), prompts))
+        n = len(self.engines)
+        workers = min(self.concurrency * n, len(prompts))
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            return list(
+                pool.map(
+                    lambda ip: self._one(self.engines[ip[0] % n], ip[1], max_new_tokens), enumerate(prompts)
+                )
+            )

