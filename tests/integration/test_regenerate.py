@@ -607,6 +607,16 @@ def test_server_backend_writes_the_dataset_the_transformers_backend_writes(serve
         and meta["engine"].startswith(f"server {url} (")
         and "vllm" in meta["engine"]
     )
+    # two engines (here the same server under two addresses): the prompts are dealt over both, same rows
+    twin = url + "/v1"
+    res = subprocess.run(
+        [*DFLASH, "regenerate", *map(str, common), "--server", url, "--server", twin, "--concurrency", "2",
+         "--out", str(tmp_path / "two")],
+        env=ENV, capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert datasets.load_from_disk(str(tmp_path / "two"))["input_ids"] == got["input_ids"]
+    assert read_data_meta(tmp_path / "two")["engine"].startswith(f"server {url}, {twin} (")
 
 
 def test_a_server_that_does_not_answer_is_refused_before_any_work(vllm_sized_target, tmp_path):
