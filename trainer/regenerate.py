@@ -262,6 +262,7 @@ class RegenOptions:
     concurrency: int = 16  # the server backend's requests in flight, per server
     request_timeout_s: float = 600.0  # the server backend's, per request
     retries: int = 4  # the server backend's, per request (exponential backoff)
+    server_wait_s: float = 0.0  # the server backend's: how long to wait for engines still loading
     max_empty_share: float = 0.02  # more empty responses than this share refuses the run
     run_dir: Path | None = None  # where the event stream goes (monitor page, dflash status)
     push_to: str | None = None  # s3://bucket/prefix: batches and the dataset are pushed there
@@ -294,11 +295,15 @@ def check_options(opts: RegenOptions) -> None:
             else "the server backend needs --server URL"
         )
     if opts.backend != "server" and (
-        opts.concurrency != 16 or opts.request_timeout_s != 600 or opts.retries != 4
+        opts.concurrency != 16 or opts.request_timeout_s != 600 or opts.retries != 4 or opts.server_wait_s
     ):
-        raise RegenerateError("--concurrency, --request-timeout and --retries are settings of --server")
-    if opts.concurrency < 1 or opts.request_timeout_s <= 0 or opts.retries < 0:
-        raise RegenerateError("--concurrency must be >= 1, --request-timeout > 0, --retries >= 0")
+        raise RegenerateError(
+            "--concurrency, --request-timeout, --retries and --server-wait are settings of --server"
+        )
+    if opts.concurrency < 1 or opts.request_timeout_s <= 0 or opts.retries < 0 or opts.server_wait_s < 0:
+        raise RegenerateError(
+            "--concurrency must be >= 1, --request-timeout > 0, --retries and --server-wait >= 0"
+        )
     if opts.tensor_parallel_size < 1:
         raise RegenerateError(f"--tensor-parallel-size {opts.tensor_parallel_size}: must be at least 1")
     if not 0.0 <= opts.max_empty_share <= 1.0:
@@ -530,6 +535,7 @@ def _generate(opts, backend, out, work, prompts, batches, stop_ids, tok, plan, e
                 "concurrency": opts.concurrency,
                 "timeout_s": opts.request_timeout_s,
                 "retries": opts.retries,
+                "wait_s": opts.server_wait_s,
             },
         )
     t0, tokens0 = time.perf_counter(), tokens

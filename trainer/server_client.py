@@ -13,6 +13,7 @@ them, `concurrency` requests in flight per engine; every engine must serve the s
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -26,14 +27,22 @@ class ServerError(DflashError, RuntimeError):
 class _Engine:
     """One server: its client, the model it serves and its length limit."""
 
-    def __init__(self, openai, url: str, timeout_s: float, retries: int):
+    def __init__(self, openai, url: str, timeout_s: float, retries: int, wait_s: float = 0.0):
         self.url = url.rstrip("/")
         base = self.url if self.url.endswith("/v1") else self.url + "/v1"
         self.client = openai.OpenAI(base_url=base, api_key="EMPTY", timeout=timeout_s, max_retries=retries)
-        try:
-            models = self.client.models.list().data
-        except openai.APIError as exc:
-            raise ServerError(f"--server {url}: no OpenAI-compatible server answers there ({exc})") from None
+        deadline = time.monotonic() + wait_s
+        while True:  # an engine still loading its weights answers nothing yet: wait up to wait_s
+            try:
+                models = self.client.models.list().data
+                break
+            except openai.APIError as exc:
+                if time.monotonic() >= deadline:
+                    waited = f" within --server-wait {wait_s:g} s" if wait_s else ""
+                    raise ServerError(
+                        f"--server {url}: no OpenAI-compatible server answers there{waited} ({exc})"
+                    ) from None
+                time.sleep(min(5.0, max(0.1, deadline - time.monotonic())))
         if not models:
             raise ServerError(f"--server {url}: the server serves no model")
         self.model = models[0].id
@@ -52,6 +61,7 @@ class ServerBackend:
         concurrency: int = 16,
         timeout_s: float = 600.0,
         retries: int = 4,
+        wait_s: float = 0.0,
     ):
         try:
             import openai
@@ -60,7 +70,7 @@ class ServerBackend:
         urls = [urls] if isinstance(urls, str) else list(urls)
         if not urls or len(set(u.rstrip("/") for u in urls)) != len(urls):
             raise ServerError(f"--server: give each engine's URL once ({', '.join(urls) or 'none given'})")
-        self.engines = [_Engine(openai, u, timeout_s, retries) for u in urls]
+        self.engines = [_Engine(openai, u, timeout_s, retries, wait_s) for u in urls]
         models = {e.model for e in self.engines}
         if len(models) > 1:
             raise ServerError(

@@ -112,6 +112,7 @@ def cmd_regenerate(args) -> int:
             concurrency=args.concurrency,
             request_timeout_s=args.request_timeout,
             retries=args.retries,
+            server_wait_s=args.server_wait,
             max_empty_share=args.max_empty_share,
             run_dir=args.run_dir,
             push_to=args.push_to,
@@ -249,6 +250,12 @@ def register(sub) -> None:
     )
     p.add_argument(
         "--tensor-parallel-size", type=_positive, default=1, help="vLLM backend: GPUs per engine (default 1)"
+    )
+    p.add_argument(
+        "--server-wait",
+        type=float,
+        default=0.0,
+        help="--server: seconds to wait for engines that do not answer yet (still loading; 0)",
     )
     p.add_argument(
         "--max-empty-share",

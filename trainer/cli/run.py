@@ -75,8 +75,10 @@ def cmd_config(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from trainer.demo.run import run_demo
+    from trainer.demo.run import prepare_prompts, run_demo
 
+    if args.prepare_prompts:
+        return prepare_prompts(args.out, tiny=args.tiny, samples=args.samples)
     return run_demo(args.out, steps=args.steps, tiny=args.tiny, prepare_only=args.prepare_only)
 
 
@@ -113,4 +115,11 @@ def register(sub) -> None:
         action="store_true",
         help="write target, data and run.yaml, print their paths as JSON, do not train (train.yml -l local)",
     )
+    p.add_argument(
+        "--prepare-prompts",
+        action="store_true",
+        help="write the target and prompts.jsonl (questions on stdlib docstrings), print their paths as "
+        "JSON, generate nothing (regenerate.yml -l local)",
+    )
+    p.add_argument("--samples", type=int, default=48, help="--prepare-prompts: how many prompts (48)")
     p.set_defaults(func=cmd_demo)

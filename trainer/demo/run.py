@@ -39,6 +39,33 @@ def _prepare(out: Path, tiny: bool, samples: int) -> dict:
     return {"target": target, "data": data, "aux": [2, 9, 16, 23, 29], "mask": 16, "block": 8, "tokens": 512}
 
 
+def prepare_prompts(out: Path, tiny: bool = False, samples: int = 48) -> int:
+    """The regeneration demo's inputs (regenerate.yml on the `local` group): SmolLM2-135M-Instruct and
+    `out/prompts.jsonl`, questions made from stdlib docstrings; prints {"target", "prompts"} as JSON."""
+    import json
+
+    from trainer.demo import synth
+    from trainer.demo.smollm import ensure_smollm2
+    from trainer.errors import DflashError
+    from trainer.eval.prompts import write_prompt_file
+
+    if tiny:
+        raise DflashError(
+            "--prepare-prompts --tiny: the tiny target has no tokenizer, which a vLLM server needs; "
+            "pass your own target and prompts to regenerate.yml instead"
+        )
+    out = Path(out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    target = ensure_smollm2()
+    prompts = out / "prompts.jsonl"
+    rows = [{"prompt": q} for q in synth.stdlib_docstrings(samples)]
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    if not prompts.exists() or prompts.read_text() != text:
+        write_prompt_file(prompts, rows)
+    print(json.dumps({"target": str(target), "prompts": str(prompts)}))
+    return 0
+
+
 def run_demo(
     out: Path, steps: int = 40, tiny: bool = False, samples: int = 48, prepare_only: bool = False
 ) -> int:
