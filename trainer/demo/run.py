@@ -41,24 +41,28 @@ def _prepare(out: Path, tiny: bool, samples: int) -> dict:
 
 def prepare_prompts(out: Path, tiny: bool = False, samples: int = 48) -> int:
     """The regeneration demo's inputs (regenerate.yml on the `local` group): SmolLM2-135M-Instruct and
-    `out/prompts.jsonl`, questions made from stdlib docstrings; prints {"target", "prompts"} as JSON."""
+    `out/prompts.jsonl`, questions made from stdlib docstrings (`tiny`: a tiny random target a vLLM
+    server takes and token-id prompts); prints {"target", "prompts"} as JSON."""
     import json
 
     from trainer.demo import synth
-    from trainer.demo.smollm import ensure_smollm2
-    from trainer.errors import DflashError
     from trainer.eval.prompts import write_prompt_file
 
-    if tiny:
-        raise DflashError(
-            "--prepare-prompts --tiny: the tiny target has no tokenizer, which a vLLM server needs; "
-            "pass your own target and prompts to regenerate.yml instead"
-        )
     out = Path(out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    target = ensure_smollm2()
+    if tiny:
+        target = out / "target"
+        if not (target / "tokenizer.json").exists():
+            synth.servable_tiny_target(target)
+        rng = np.random.default_rng(0)
+        lengths = rng.integers(4, 12, size=samples)
+        rows = [{"input_ids": rng.integers(4, 500, size=int(n)).tolist()} for n in lengths]
+    else:
+        from trainer.demo.smollm import ensure_smollm2
+
+        target = ensure_smollm2()
+        rows = [{"prompt": q} for q in synth.stdlib_docstrings(samples)]
     prompts = out / "prompts.jsonl"
-    rows = [{"prompt": q} for q in synth.stdlib_docstrings(samples)]
     text = "".join(json.dumps(r) + "\n" for r in rows)
     if not prompts.exists() or prompts.read_text() != text:
         write_prompt_file(prompts, rows)

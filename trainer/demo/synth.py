@@ -81,6 +81,25 @@ def tiny_target(
     return random_target(out_dir, shape, seed=seed)
 
 
+def servable_tiny_target(out_dir: Path, seed: int = 0) -> Path:
+    """A tiny random Qwen3 a vLLM server takes (CPU): head size 64, which vLLM's CPU attention kernels
+    need, and a word-level tokenizer (the OpenAI server loads one; `w<i>` is token i, `</s>` is id 2,
+    the config's EOS). Prompts for it are token ids."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    out_dir = Path(out_dir)
+    tiny_target(out_dir, num_layers=2, hidden=256, seed=seed)
+    special = ["<pad>", "<s>", "</s>", "<unk>"]
+    vocab = {t: i for i, t in enumerate(special)} | {f"w{i}": i for i in range(len(special), 512)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+    ).save_pretrained(str(out_dir))
+    return out_dir
+
+
 # ---------------------------------------------------------------- real prompts, chat template
 STDLIB_MODULES = (
     "json",
