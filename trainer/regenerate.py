@@ -412,8 +412,12 @@ class _Events:
             },
         )
 
+    def generation_started(self) -> None:
+        """tokens/s counts from here: the engine's start-up and the wait for servers are not speed."""
+        self.gen_t0 = time.time()
+
     def batch(self, step: int, batches: int, tokens: int, samples: int, empty: int) -> None:
-        elapsed = max(1e-9, time.time() - self.t0)
+        elapsed = max(1e-9, time.time() - getattr(self, "gen_t0", self.t0))
         self.writer.emit(
             "step",
             step=step,
@@ -539,6 +543,7 @@ def _generate(opts, backend, out, work, prompts, batches, stop_ids, tok, plan, e
             },
         )
     t0, tokens0 = time.perf_counter(), tokens
+    events.generation_started()
     bar = tqdm(
         total=len(batches),
         initial=len(done),
