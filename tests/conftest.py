@@ -80,20 +80,18 @@ def tiny_prompts(count: int, seed: int = 0) -> list[list[int]]:
     return [rng.integers(3, 500, size=8).tolist() for _ in range(count)]
 
 
-@pytest.fixture(scope="session")
-def trained_drafter(tiny_target, tiny_data, tmp_path_factory) -> Path:
-    """The out_dir of a real `dflash train` run on the tiny fixtures: 150 steps, block 8, aux ids
-    [1, 2] (its `checkpoints/latest` is the drafter). About 20 s on 2 idle cores."""
+def train_tiny_drafter(target: Path, data: Path, root: Path, aux_ids: list[int]) -> Path:
+    """A real `dflash train` run of 150 steps (block 8, one layer, lr 3e-3) tapping `aux_ids`; returns its
+    out_dir (`checkpoints/latest` is the drafter). About 20 s on 2 idle cores."""
     import subprocess
     import sys
 
-    root = tmp_path_factory.mktemp("trained-drafter")
     cfg = write_config(
         root / "run.yaml",
-        tiny_target,
-        tiny_data,
+        target,
+        data,
         root / "run",
-        drafter={"num_layers": 1, "block_size": 8, "aux_layer_ids": [1, 2], "mask_token_id": 511},
+        drafter={"num_layers": 1, "block_size": 8, "aux_layer_ids": aux_ids, "mask_token_id": 511},
         train={
             "max_steps": 150,
             "lr": 3.0e-3,
@@ -114,6 +112,12 @@ def trained_drafter(tiny_target, tiny_data, tmp_path_factory) -> Path:
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return root / "run"
+
+
+@pytest.fixture(scope="session")
+def trained_drafter(tiny_target, tiny_data, tmp_path_factory) -> Path:
+    """The out_dir of a real `dflash train` run on the tiny fixtures, aux ids [1, 2]."""
+    return train_tiny_drafter(tiny_target, tiny_data, tmp_path_factory.mktemp("trained-drafter"), [1, 2])
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import tiny_prompts, write_config
+from tests.conftest import tiny_prompts, train_tiny_drafter
 from trainer.eval.prompts import write_prompt_file
 
 DFLASH = [sys.executable, "-m", "trainer.cli"]
@@ -41,24 +41,7 @@ def served_run(served_target, tmp_path_factory) -> Path:
 
     root = tmp_path_factory.mktemp("served")
     data = greedy_dataset(served_target, tiny_prompts(48), 56, root / "ds")
-    cfg = write_config(
-        root / "run.yaml",
-        served_target,
-        data,
-        root / "run",
-        drafter={"num_layers": 1, "block_size": 8, "aux_layer_ids": [1, 3], "mask_token_id": 511},
-        train={
-            "max_steps": 150,
-            "lr": 3.0e-3,
-            "warmup_steps": 2,
-            "max_tokens_per_batch": 256,
-            "max_anchors": 32,
-            "checkpoint_every": 1000,
-        },
-    )
-    res = dflash("train", "--config", cfg)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    return root / "run"
+    return train_tiny_drafter(served_target, data, root, [1, 3])
 
 
 def test_vllm_counts_the_harness_tau_and_a_causally_served_export_is_caught(

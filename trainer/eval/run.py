@@ -178,21 +178,20 @@ def evaluate_one(
             "from the target's greedy decoding"
         )
     return {
-        "schema_version": REPORT_SCHEMA_VERSION,
-        "label": label,
-        "drafter": str(folder),
-        "target": str(opts.target),
-        "prompts": str(opts.prompts),
-        "num_prompts": len(token_prompts),
+        **report_frame(
+            opts,
+            folder,
+            label,
+            token_prompts,
+            settings,
+            stop_ids,
+            B,
+            trained_block,
+            list(drafter.target_layer_ids),
+            meta,
+        ),  # fmt: skip
         "mode": "reference" if opts.reference else "cached",
         "device": str(device),
-        "block_size": B,
-        "trained_block_size": trained_block,
-        "max_new_tokens": opts.max_new_tokens,
-        "aux_layer_ids": list(drafter.target_layer_ids),
-        "stop_token_ids": sorted(stop_ids),
-        "template": settings.to_dict(),
-        "training_data_template": meta.get("template") if meta else None,
         **agg,
         "speedup_vs_target": (agg["tokens_per_s"] / target_tps)
         if (target_tps and agg["tokens_per_s"])
@@ -204,10 +203,19 @@ def evaluate_one(
     }
 
 
-def served_frame(opts: EvalOptions, folder: Path, label: str, token_prompts, settings, stop_ids, block: int):
-    """The report's fields that do not depend on who measured (for `--engine vllm`)."""
-    cfg = json.loads((Path(folder) / "config.json").read_text())
-    meta, _ = training_data_meta(folder)
+def report_frame(
+    opts: EvalOptions,
+    folder: Path,
+    label: str,
+    token_prompts,
+    settings,
+    stop_ids,
+    block: int,
+    trained_block: int,
+    aux_ids: list[int],
+    meta: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """The report's fields that do not depend on who measured: the drafter, the prompts, the settings."""
     return {
         "schema_version": REPORT_SCHEMA_VERSION,
         "label": label,
@@ -216,16 +224,22 @@ def served_frame(opts: EvalOptions, folder: Path, label: str, token_prompts, set
         "prompts": str(opts.prompts),
         "num_prompts": len(token_prompts),
         "block_size": block,
-        "trained_block_size": int(cfg["block_size"]),
+        "trained_block_size": trained_block,
         "max_new_tokens": opts.max_new_tokens,
-        "aux_layer_ids": list(cfg["aux_hidden_state_layer_ids"]),
+        "aux_layer_ids": aux_ids,
         "stop_token_ids": sorted(stop_ids),
         "template": settings.to_dict(),
         "training_data_template": meta.get("template") if meta else None,
-        "wall_s": None,
-        "warnings": [],
-        "prompt_lengths": [len(p) for p in token_prompts],
     }
+
+
+def served_frame(opts: EvalOptions, folder: Path, label: str, token_prompts, settings, stop_ids, block: int):
+    """The frame of an `--engine vllm` report, from the drafter's config.json (no harness ran)."""
+    cfg = json.loads((Path(folder) / "config.json").read_text())
+    meta, _ = training_data_meta(folder)
+    frame = report_frame(opts, folder, label, token_prompts, settings, stop_ids, block,
+                         int(cfg["block_size"]), list(cfg["aux_hidden_state_layer_ids"]), meta)  # fmt: skip
+    return frame | {"wall_s": None, "warnings": [], "prompt_lengths": [len(p) for p in token_prompts]}
 
 
 def served_only_report(harness_free: dict[str, Any], served: dict[str, Any]) -> dict[str, Any]:
