@@ -72,6 +72,8 @@ def cmd_eval(args) -> int:
             ignore_eos=args.ignore_eos,
             engine=args.engine,
             served_tolerance=args.served_tolerance,
+            tree_budgets=tuple(args.tree_budget or ()),
+            tree_top_k=args.tree_top_k,
         )
     )
 
@@ -170,6 +172,21 @@ def register(sub) -> None:
         type=float,
         default=0.1,
         help="--engine both: the largest |tau_vLLM - tau_harness| that passes (default 0.1)",
+    )
+    p.add_argument(
+        "--tree-budget",
+        type=_positive,
+        action="append",
+        metavar="N",
+        help="also verify a tree of at most N drafted nodes per round (DDTree: one drafter forward, one "
+        "target forward with tree attention, lossless); repeat for several budgets, e.g. 16 and 64",
+    )
+    p.add_argument(
+        "--tree-top-k",
+        type=_positive,
+        default=None,
+        metavar="K",
+        help="--tree-budget: children per node among the next depth's top K (default: the budget)",
     )
     _template_args(p)
     p.set_defaults(func=cmd_eval)

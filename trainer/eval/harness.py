@@ -36,6 +36,7 @@ class PromptResult:
     accepted: list[int] = field(default_factory=list)  # accepted drafts per round (0..B-1)
     wall_s: float = 0.0
     stopped: str = "length"  # length | stop_token
+    tree_nodes: list[int] = field(default_factory=list)  # per round, tree verification only
 
     @property
     def rounds(self) -> int:

@@ -56,11 +56,15 @@ class HookedTarget:
         return hook
 
     @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, cache=None):
-        """One forward over `input_ids` [1, n] continuing `cache` (None: a fresh one).
+    def forward(self, input_ids: torch.Tensor, cache=None, attention_mask=None, position_ids=None):
+        """One forward over `input_ids` [1, n] continuing `cache` (None: a fresh one); a 4D boolean
+        `attention_mask` and `position_ids` for a tree (trainer/eval/tree.py), else causal.
         Returns (greedy next token per position [n], aux features [1, n, n_aux*H] fp32, cache)."""
         self._store.clear()
-        out = self.model(input_ids=input_ids.to(self.device), past_key_values=cache, use_cache=True)
+        extra = {}
+        if attention_mask is not None:
+            extra = {"attention_mask": attention_mask, "position_ids": position_ids}
+        out = self.model(input_ids=input_ids.to(self.device), past_key_values=cache, use_cache=True, **extra)
         feats = torch.cat([self._store[k] for k in self.aux_ids], dim=-1).float()
         self._store.clear()
         return out.logits[0].argmax(-1), feats, out.past_key_values

@@ -90,6 +90,7 @@ def render_markdown(rep: dict[str, Any], png_name: str | None) -> str:
     if rep["warnings"]:
         lines.append("")
     lines += render_served(rep)
+    lines += render_trees(rep)
     lines += [
         "## Acceptance by position",
         "",
@@ -123,6 +124,36 @@ def render_markdown(rep: dict[str, Any], png_name: str | None) -> str:
             f"{p['stopped']} | {mark} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def render_trees(rep: dict[str, Any]) -> list[str]:
+    """The "tree verification" section (`--tree-budget`): tau per budget beside the chain, what each
+    tree costs the target, its lossless check and its acceptance per depth."""
+    trees = rep.get("trees") or []
+    if not trees:
+        return []
+    depths = rep["block_size"] - 1
+    lines = [
+        "## Tree verification (DDTree)",
+        "",
+        "| budget | tau | x chain | target tokens / round | lossless | "
+        + " | ".join(f"d{k}" for k in range(1, depths + 1))
+        + " |",
+        "| --- | --- | --- | --- | --- |" + " --- |" * depths,
+        f"| chain | {fmt_number(rep['tau'])} | 1 | {rep['block_size']} | - | "
+        + " | ".join(fmt_number(p, 2) for p in rep["per_position_acceptance"])
+        + " |",
+    ]
+    for t in trees:
+        ll = t["lossless"]
+        verdict = "not checked" if not ll["checked"] else ("ok" if ll["ok"] else "MISMATCH")
+        lines.append(
+            f"| {t['budget']} | **{fmt_number(t['tau'])}** | {fmt_number(t['tau_over_chain'], 2)} | "
+            f"{fmt_number(t['target_tokens_per_round'], 1)} | {verdict} ({ll['matched']}/{ll['checked']}) | "
+            + " | ".join(fmt_number(p, 2) for p in t["per_depth_acceptance"])
+            + " |"
+        )
+    return lines + [""]
 
 
 def render_served(rep: dict[str, Any]) -> list[str]:
@@ -197,6 +228,10 @@ def plot_report(rep: dict[str, Any], path: Path) -> None:
     a2.bar(range(len(taus)), taus, color="#e08a2c")
     if rep["tau"]:
         a2.axhline(rep["tau"], color="k", lw=1, ls="--", label=f"pooled tau {rep['tau']:.2f}")
+    for t, color in zip(rep.get("trees") or [], ("#2a9d4b", "#8e44ad", "#c0392b", "#16a085")):
+        if t["tau"]:
+            a2.axhline(t["tau"], color=color, lw=1, label=f"tree {t['budget']}: tau {t['tau']:.2f}")
+    if rep["tau"]:
         a2.legend(loc="upper right")
     a2.set(xlabel="prompt", ylabel="tau", ylim=(0, rep["block_size"]), title="tau per prompt")
     fig.suptitle(rep["label"])
@@ -228,6 +263,7 @@ def comparison_rows(reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "per_position_acceptance": r["per_position_acceptance"],
             "lossless_ok": r["lossless"]["ok"],
             "tau_vllm": (r.get("served") or {}).get("tau"),
+            "tree_tau": {str(t["budget"]): t["tau"] for t in r.get("trees") or []},
         }
         for r in reports
     ]
@@ -238,9 +274,11 @@ def render_table(reports: list[dict[str, Any]]) -> str:
     B = max(r["block_size"] for r in reports)
     width = max(8, *(len(r["label"]) for r in reports))
     served = any(r.get("served") for r in reports) and any(r["mode"] != "served" for r in reports)
+    budgets = sorted({t["budget"] for r in reports for t in r.get("trees") or []})
     head = (
         f"{'drafter':{width}}  {'tau':>6}  "
         + (f"{'vLLM':>6}  " if served else "")
+        + "".join(f"{'tree' + str(b):>8}  " for b in budgets)
         + f"{'tok/s':>8}  "
         + " ".join(f"{'p' + str(k):>5}" for k in range(1, B))
     )
@@ -248,9 +286,11 @@ def render_table(reports: list[dict[str, Any]]) -> str:
     for r in reports:
         pp = r["per_position_acceptance"] + [None] * (B - r["block_size"])
         tau_vllm = (r.get("served") or {}).get("tau")
+        tree_tau = {t["budget"]: t["tau"] for t in r.get("trees") or []}
         out.append(
             f"{r['label']:{width}}  {fmt_number(r['tau']):>6}  "
             + (f"{fmt_number(tau_vllm):>6}  " if served else "")
+            + "".join(f"{fmt_number(tree_tau.get(b)):>8}  " for b in budgets)
             + f"{fmt_number(r['tokens_per_s'], 1):>8}  "
             + " ".join(f"{fmt_number(p, 2):>5}" for p in pp)
         )

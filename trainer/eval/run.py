@@ -45,6 +45,8 @@ class EvalOptions:
     ignore_eos: bool = False
     engine: str = "harness"  # harness | vllm | both
     served_tolerance: float = 0.1  # --engine both: the largest |tau_vLLM - tau_harness| that passes
+    tree_budgets: tuple[int, ...] = ()  # tree verification (DDTree) at these node budgets, beside the chain
+    tree_top_k: int | None = None  # children per tree node among the next depth's top-k (None: the budget)
 
 
 ENGINES = ("harness", "vllm", "both")
@@ -152,8 +154,10 @@ def evaluate_one(
     lossless: dict[int, bool] = {}
     mismatches = []
     greedy_tokens = greedy_s = 0.0
+    greedy_ref: dict[int, list[int]] = {}
     for i in range(n_check):
         ref_tokens, secs = target_greedy(target, token_prompts[i], opts.max_new_tokens, stop_ids)
+        greedy_ref[i] = ref_tokens
         greedy_tokens += len(ref_tokens)
         greedy_s += secs
         lossless[i] = ref_tokens == results[i].tokens
@@ -177,6 +181,17 @@ def evaluate_one(
             f"LOSSLESS CHECK FAILED on {len(mismatches)} of {n_check} prompts: committed tokens differ "
             "from the target's greedy decoding"
         )
+    trees = [
+        evaluate_tree(opts, target, drafter, token_prompts, B, budget, stop_ids, greedy_ref, agg, label)
+        for budget in opts.tree_budgets
+    ]
+    for t in trees:
+        if t["lossless"]["ok"] is False:
+            warnings.append(
+                f"LOSSLESS CHECK FAILED for the tree of budget {t['budget']} on "
+                f"{t['lossless']['checked'] - t['lossless']['matched']} of {t['lossless']['checked']} prompts"
+            )
+            ll["ok"] = False
     return {
         **report_frame(
             opts,
@@ -197,9 +212,60 @@ def evaluate_one(
         if (target_tps and agg["tokens_per_s"])
         else None,
         "lossless": ll,
+        "trees": trees,
         "wall_s": round(time.perf_counter() - t_start, 3),
         "warnings": warnings,
         "per_prompt": per_prompt(results, lossless),
+    }
+
+
+def evaluate_tree(
+    opts: EvalOptions,
+    target,
+    drafter,
+    token_prompts: list[list[int]],
+    block: int,
+    budget: int,
+    stop_ids: set[int],
+    greedy_ref: dict[int, list[int]],
+    chain: dict[str, Any],
+    label: str,
+) -> dict[str, Any]:
+    """Tree verification (trainer/eval/tree.py) at one node budget over the same prompts: tau, the
+    acceptance per depth, what the tree costs the target (tokens verified per round) and the lossless
+    check against the same greedy tokens the chain was checked with."""
+    from tqdm import tqdm
+
+    from trainer.eval.tree import speculate_tree
+
+    results = []
+    bar = tqdm(
+        token_prompts, desc=f"{label} tree {budget}", unit="prompt", file=sys.stderr, dynamic_ncols=True
+    )
+    for prompt in bar:
+        results.append(
+            speculate_tree(
+                target, drafter, prompt, opts.max_new_tokens, block, budget, stop_ids, top_k=opts.tree_top_k
+            )
+        )
+    bar.close()
+    agg = aggregate(results, block)
+    nodes = [n for r in results for n in r.tree_nodes]
+    matched = sum(greedy_ref[i] == results[i].tokens for i in greedy_ref)
+    return {
+        "budget": budget,
+        "top_k": opts.tree_top_k or budget,
+        "tau": agg["tau"],
+        "tau_over_chain": (agg["tau"] / chain["tau"]) if agg["tau"] and chain["tau"] else None,
+        "rounds": agg["rounds"],
+        "per_depth_acceptance": agg["per_position_acceptance"],
+        "target_tokens_per_round": (1 + sum(nodes) / len(nodes)) if nodes else None,
+        "tokens_per_s": agg["tokens_per_s"],
+        "lossless": {
+            "checked": len(greedy_ref),
+            "matched": matched,
+            "ok": matched == len(greedy_ref) if greedy_ref else None,
+        },
     }
 
 
@@ -336,6 +402,7 @@ def record_in_run(checkpoint: Path, report: dict[str, Any], report_path: Path) -
         checkpoint=checkpoint.name,
         tau=report["tau"],
         tau_vllm=(report.get("served") or {}).get("tau"),
+        tree_tau={str(t["budget"]): t["tau"] for t in report.get("trees") or []} or None,
         rounds=report["rounds"],
         block_size=report["block_size"],
         per_position_acceptance=report["per_position_acceptance"],
@@ -367,6 +434,12 @@ def run_eval(opts: EvalOptions) -> int:
         raise P.PromptError("--served-tolerance must be >= 0")
     if opts.max_new_tokens < 1:
         raise P.PromptError("--max-new-tokens must be at least 1")
+    if any(b < 1 for b in opts.tree_budgets) or (opts.tree_top_k is not None and opts.tree_top_k < 1):
+        raise P.PromptError("--tree-budget and --tree-top-k must be at least 1")
+    if opts.tree_budgets and (opts.reference or opts.engine == "vllm"):
+        raise P.PromptError(
+            "--tree-budget runs in the harness's cached loop: not with --reference or --engine vllm"
+        )
     if opts.block_size is not None and opts.block_size < 2:
         raise P.PromptError("--block-size must be at least 2 (an anchor and one draft)")
     out = Path(opts.out)
@@ -438,6 +511,12 @@ def run_eval(opts: EvalOptions) -> int:
             f"{fmt_number(r['tokens_per_s'], 1)} tokens/s; per position "
             + " ".join(fmt_number(p, 2) for p in r["per_position_acceptance"])
         )
+        for t in r.get("trees") or []:
+            print(
+                f"tree budget {t['budget']}: tau {fmt_number(t['tau'])} "
+                f"({fmt_number(t['tau_over_chain'], 2)}x the chain), "
+                f"{fmt_number(t['target_tokens_per_round'], 1)} target tokens per round"
+            )
     else:
         paths = write_comparison(reports, out)
         print(render_table(reports))

@@ -91,7 +91,7 @@ class RunState:
                 {
                     k: v
                     for k, v in ev.items()
-                    if isinstance(v, (int, float, str)) or k == "per_position_acceptance"
+                    if isinstance(v, (int, float, str)) or k in ("per_position_acceptance", "tree_tau")
                 }
             )
             del self.evals[:-1000]
