@@ -270,10 +270,6 @@ class RegenOptions:
     push_every_s: float = 60.0  # at most one push of the finished batches per this many seconds
 
 
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-
-
 def _is_empty(row: dict[str, Any]) -> bool:
     if "empty" in row:
         return bool(row["empty"])
@@ -461,8 +457,8 @@ def regenerate(opts: RegenOptions, backend: GenerationBackend | None = None) -> 
     batches = plan_batches(prompts, opts.batch_size)
     plan = {
         "target": str(Path(opts.target).resolve()),
-        "prompts": str(Path(opts.prompts).resolve()),
-        "prompts_sha256": _sha256(opts.prompts),
+        "prompts": P.describe_prompts(opts.prompts)["name"],
+        "prompts_sha256": P.describe_prompts(opts.prompts)["sha256"],
         "limit": opts.limit,
         "num_prompts": len(prompts),
         "max_new_tokens": opts.max_new_tokens,

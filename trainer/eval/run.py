@@ -288,6 +288,7 @@ def report_frame(
         "drafter": str(folder),
         "target": str(opts.target),
         "prompts": str(opts.prompts),
+        "prompt_set": P.describe_prompts(opts.prompts),
         "num_prompts": len(token_prompts),
         "block_size": block,
         "trained_block_size": trained_block,
