@@ -392,10 +392,12 @@ class _Events:
         from trainer.events import EventWriter
 
         self.writer = EventWriter(run_dir or Path("."), run_id, enabled=run_dir is not None)
-        self.t0 = time.time()
+        self.t0 = self.gen_t0 = time.time()
+        self.step = self.tokens = self.tokens0 = 0  # the last finished batch's (what run_end reports)
 
     def start(self, plan: dict[str, Any], batches: int, done: int, tokens: int) -> None:
-        self.tokens0 = tokens
+        self.tokens0 = self.tokens = tokens
+        self.step = done
         self.writer.emit(
             "run_start",
             pid=os.getpid(),
@@ -413,7 +415,8 @@ class _Events:
         self.gen_t0 = time.time()
 
     def batch(self, step: int, batches: int, tokens: int, samples: int, empty: int) -> None:
-        elapsed = max(1e-9, time.time() - getattr(self, "gen_t0", self.t0))
+        self.step, self.tokens = step, tokens
+        elapsed = max(1e-9, time.time() - self.gen_t0)
         self.writer.emit(
             "step",
             step=step,
@@ -428,12 +431,13 @@ class _Events:
         print(f"dflash regenerate: WARNING {message}", file=sys.stderr, flush=True)
         self.writer.emit("warning", kind=kind, message=message)
 
-    def end(self, status: str, step: int, tokens: int, error: str | None = None) -> None:
+    def end(self, status: str, error: str | None = None) -> None:
+        """run_end with the last finished batch's step and tokens (a failed run's too)."""
         self.writer.emit(
             "run_end",
             status=status,
-            step=step,
-            tokens=tokens,
+            step=self.step,
+            tokens=self.tokens,
             wall_s=round(time.time() - self.t0, 3),
             error=error,
         )
@@ -455,10 +459,11 @@ def regenerate(opts: RegenOptions, backend: GenerationBackend | None = None) -> 
     prompts = P.encode(lines, tok, settings)
     stop_ids = [] if opts.ignore_eos else P.stop_token_ids(opts.target, tok)
     batches = plan_batches(prompts, opts.batch_size)
+    prompt_set = P.describe_prompts(opts.prompts)
     plan = {
         "target": str(Path(opts.target).resolve()),
-        "prompts": P.describe_prompts(opts.prompts)["name"],
-        "prompts_sha256": P.describe_prompts(opts.prompts)["sha256"],
+        "prompts": prompt_set["name"],
+        "prompts_sha256": prompt_set["sha256"],
         "limit": opts.limit,
         "num_prompts": len(prompts),
         "max_new_tokens": opts.max_new_tokens,
@@ -478,7 +483,8 @@ def regenerate(opts: RegenOptions, backend: GenerationBackend | None = None) -> 
         print(f"dflash regenerate: {out} is already complete (delete it to regenerate)", flush=True)
         if pusher is not None:
             pusher.push(out, "dataset", force=True)
-        events.end("completed", len(batches), 0)
+        events.step = len(batches)
+        events.end("completed")
         return out
     work.mkdir(parents=True, exist_ok=True)
     plan_file = work / "plan.json"
@@ -495,10 +501,10 @@ def regenerate(opts: RegenOptions, backend: GenerationBackend | None = None) -> 
     try:
         return _generate(opts, backend, out, work, prompts, batches, stop_ids, tok, plan, events, pusher)
     except RegenerateError as exc:
-        events.end("refused", 0, 0, error=str(exc))
+        events.end("refused", error=str(exc))
         raise
     except BaseException as exc:
-        events.end("failed", 0, 0, error=f"{type(exc).__name__}: {exc}")
+        events.end("failed", error=f"{type(exc).__name__}: {exc}")
         raise
 
 
@@ -519,7 +525,8 @@ def _generate(opts, backend, out, work, prompts, batches, stop_ids, tok, plan, e
         print(f"dflash regenerate: resuming: {len(done)} of {len(batches)} batches already done", flush=True)
     events.start(plan, len(batches), len(done), tokens)
     check_empty_share(empty, samples, opts.max_empty_share)
-    todo = [b for b in range(len(batches)) if b not in set(done)]
+    finished_before = set(done)
+    todo = [b for b in range(len(batches)) if b not in finished_before]
     if todo and backend is None:
         pad = tok.pad_token_id if tok is not None and tok.pad_token_id is not None else None
         backend = make_backend(
@@ -618,7 +625,7 @@ def _generate(opts, backend, out, work, prompts, batches, stop_ids, tok, plan, e
             f"{cut} of {len(kept)} responses never reached a stop token {stop_ids}: raise --max-new-tokens "
             "or check the chat template",
         )
-    events.end("completed", len(batches), tokens)
+    events.end("completed")
     return out
 
 

@@ -409,6 +409,8 @@ def test_batches_pushed_to_s3_let_a_fresh_node_go_on_and_the_monitor_follows(
     state = state_from_events(e for _, e in read_events(tmp_path / "a" / "events" / "events.jsonl"))
     assert (state.status, state.step, state.total_steps) == ("failed", 3, 6)
     assert state.tokens > 0 and state.nonfinite_steps == [], "a regeneration has no loss to be non-finite"
+    end = [e for _, e in read_events(tmp_path / "a" / "events" / "events.jsonl") if e["event"] == "run_end"]
+    assert [(e["status"], e["step"], e["tokens"]) for e in end] == [("failed", 3, state.tokens)], end
     shutil.rmtree(tmp_path / "a")  # the node and its disk are gone
 
     counting = RecordingBackend(real)

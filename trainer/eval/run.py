@@ -105,6 +105,7 @@ def evaluate_one(
     stop_ids: set[int],
     device: torch.device,
     label: str,
+    prompt_set: dict[str, Any],
 ) -> dict[str, Any]:
     from tqdm import tqdm
 
@@ -197,6 +198,7 @@ def evaluate_one(
             opts,
             folder,
             label,
+            prompt_set,
             token_prompts,
             settings,
             stop_ids,
@@ -273,6 +275,7 @@ def report_frame(
     opts: EvalOptions,
     folder: Path,
     label: str,
+    prompt_set: dict[str, Any],
     token_prompts,
     settings,
     stop_ids,
@@ -288,7 +291,7 @@ def report_frame(
         "drafter": str(folder),
         "target": str(opts.target),
         "prompts": str(opts.prompts),
-        "prompt_set": P.describe_prompts(opts.prompts),
+        "prompt_set": prompt_set,
         "num_prompts": len(token_prompts),
         "block_size": block,
         "trained_block_size": trained_block,
@@ -300,11 +303,13 @@ def report_frame(
     }
 
 
-def served_frame(opts: EvalOptions, folder: Path, label: str, token_prompts, settings, stop_ids, block: int):
+def served_frame(
+    opts: EvalOptions, folder: Path, label: str, prompt_set, token_prompts, settings, stop_ids, block: int
+):
     """The frame of an `--engine vllm` report, from the drafter's config.json (no harness ran)."""
     cfg = json.loads((Path(folder) / "config.json").read_text())
     meta, _ = training_data_meta(folder)
-    frame = report_frame(opts, folder, label, token_prompts, settings, stop_ids, block,
+    frame = report_frame(opts, folder, label, prompt_set, token_prompts, settings, stop_ids, block,
                          int(cfg["block_size"]), list(cfg["aux_hidden_state_layer_ids"]), meta)  # fmt: skip
     return frame | {"wall_s": None, "warnings": [], "prompt_lengths": [len(p) for p in token_prompts]}
 
@@ -447,6 +452,7 @@ def run_eval(opts: EvalOptions) -> int:
     if out.suffix != ".json":
         raise P.PromptError(f"--out {out}: give a .json path (the .md and .png go beside it)")
     lines = P.read_prompt_file(opts.prompts, opts.limit)
+    prompt_set = P.describe_prompts(opts.prompts)  # of what was read, once for every drafter
     for d in opts.drafters:
         resolve_drafter_dir(d)  # a clear error before any model loads
     if not (Path(opts.target) / "config.json").is_file():
@@ -473,7 +479,9 @@ def run_eval(opts: EvalOptions) -> int:
             if target is None or target.aux_ids != aux:
                 target = HookedTarget(opts.target, aux, device)
             reports.append(
-                evaluate_one(opts, folder, target, token_prompts, settings, stop_ids, device, label)
+                evaluate_one(
+                    opts, folder, target, token_prompts, settings, stop_ids, device, label, prompt_set
+                )
             )
     if opts.engine in ("vllm", "both"):
         from trainer.eval.served import served_acceptance
@@ -501,7 +509,10 @@ def run_eval(opts: EvalOptions) -> int:
             else:
                 reports.append(
                     served_only_report(
-                        served_frame(opts, folder, label, token_prompts, settings, stop_ids, block), served
+                        served_frame(
+                            opts, folder, label, prompt_set, token_prompts, settings, stop_ids, block
+                        ),
+                        served,
                     )
                 )
     if len(reports) == 1:
