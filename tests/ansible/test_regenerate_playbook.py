@@ -6,7 +6,6 @@ supervisord -> the dataset -> the monitor page on the host's 127.0.0.1:8080 show
 a second run changes nothing."""
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -47,17 +46,9 @@ def test_regenerate_playbook_writes_the_dataset_through_a_served_engine(
         assert meta["backend"] == "server" and meta["engine"].startswith("server http://127.0.0.1:8100 (")
         assert meta["samples"] + meta["empty_left_out"] == 24 and meta["response_tokens_total"] > 0
         # the monitor answers inside the host's own network namespace, about the regeneration
-        code = (
-            "import urllib.request;"
-            "r=urllib.request.urlopen('http://127.0.0.1:8080/api/status',timeout=5);print(r.read().decode())"
-        )
-        out = subprocess.run(
-            ["ip", "netns", "exec", host.ns, sys.executable, "-c", code],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
-        status = json.loads(out)
+        code, body = host.local_get("http://127.0.0.1:8080/api/status")
+        assert code == 200, body
+        status = json.loads(body)
         assert (status["status"], status["step"], status["total_steps"]) == ("completed", 3, 3), status
         progs = host.ssh(bed, f"{ctl} status", check=False).stdout
         assert "dflash-vllm-0" in progs and "STOPPED" in progs and "dflash-monitor" in progs, progs

@@ -20,6 +20,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,6 +56,17 @@ class Host:
             check=check,
             timeout=300,
         )
+
+    def local_get(self, url: str) -> tuple[int, str]:
+        """(status, body) of a GET from inside the host's own network namespace (what `ssh -L` reaches:
+        a port bound to the host's 127.0.0.1)."""
+        code = (
+            "import sys,urllib.request;r=urllib.request.urlopen(sys.argv[1],timeout=5);"
+            "print(r.status);print(r.read().decode())"
+        )
+        out = _run("ip", "netns", "exec", self.ns, sys.executable, "-c", code, url).stdout
+        status, body = out.split("\n", 1)
+        return int(status), body
 
     @property
     def inventory_vars(self) -> dict:
