@@ -94,6 +94,12 @@ class TrainConfig(_Section):
     max_tokens_per_batch: int = Field(
         8192, ge=8, description="packed sequence length per rank (batch size 1, document ids)"
     )
+    grad_accum_steps: int = Field(
+        1,
+        ge=1,
+        description="micro-batches per optimizer step and rank, gradients accumulated: a step sees "
+        "world_size x grad_accum_steps packed batches (the same ones, whatever the split)",
+    )
     loss: Literal["ce", "kl_div"] = Field("ce", description="ce: hard CE to the verifier argmax (paper)")
     gamma: float = Field(7.0, gt=0, description="per-position loss decay exp(-(k-1)/gamma)")
     max_anchors: int = Field(512, ge=1, description="anchored blocks sampled per packed batch")
@@ -137,6 +143,10 @@ class TrainConfig(_Section):
         if self.warmup_steps is not None:
             return self.warmup_steps
         return int(self.warmup_ratio * self.max_steps)
+
+    def max_tokens_per_step(self, world_size: int) -> int:
+        """The most tokens one optimizer step sees over all ranks and micro-batches."""
+        return self.max_tokens_per_batch * world_size * self.grad_accum_steps
 
 
 class PreflightConfig(_Section):

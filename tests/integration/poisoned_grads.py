@@ -15,20 +15,20 @@ from trainer.cli import main
 from trainer.training import loop
 
 POISON = {int(s) for s in os.environ.get("DFLASH_TEST_POISON_STEPS", "").split(",") if s}
-original_step = loop.Trainer.drafter_step
+original_backward = loop.Trainer.drafter_backward
 
 
-def drafter_step_with_poison(self, b, cap):
+def drafter_backward_with_poison(self, b, cap, scale, sync):
     if self.step + 1 not in POISON:  # self.step counts the steps done so far
-        return original_step(self, b, cap)
+        return original_backward(self, b, cap, scale, sync)
     weight = next(p for p in self.drafter.parameters() if p.requires_grad)
     hook = weight.register_hook(lambda g: torch.full_like(g, float("nan")))
     try:
-        return original_step(self, b, cap)
+        return original_backward(self, b, cap, scale, sync)
     finally:
         hook.remove()
 
 
 if __name__ == "__main__":
-    loop.Trainer.drafter_step = drafter_step_with_poison
+    loop.Trainer.drafter_backward = drafter_backward_with_poison
     sys.exit(main(sys.argv[1:]))

@@ -271,8 +271,17 @@ def test_corrupt_newest_checkpoint_is_reported_and_previous_used(tmp_path, tiny_
     assert events_of(out, "run_start")[-1]["resumed_from"] == "step-00000004"
 
 
-def test_two_process_gloo_ddp_keeps_ranks_identical(tmp_path, tiny_target, tiny_data):
-    cfg = cfg_file(tmp_path, tiny_target, tiny_data, max_steps=6, checkpoint_every=3)
+def test_two_process_gloo_ddp_keeps_ranks_identical_and_equals_one_process_accumulating(
+    tmp_path, tiny_target, tiny_data
+):
+    """The DDP run is checked against an independent computation, not only the trainer's own sync flag:
+    one process accumulating 2 micro-batches per step (train.grad_accum_steps) sees the same packed
+    batches per step as 2 ranks of 1 (the sampler's shared stream) and must end with bit-identical weights
+    and equal step losses (2 ranks: the all-reduce's sum and the accumulation's add the same two
+    halves); one process without accumulation (half the global batch) is the control. Every
+    valid anchor is taken (max_anchors above the supervised positions), so no RNG draw differs."""
+    common = {"max_steps": 6, "checkpoint_every": 3, "max_anchors": 512}
+    cfg = cfg_file(tmp_path, tiny_target, tiny_data, **common)
     res = run_torchrun(cfg)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     out = tmp_path / "run"
@@ -282,6 +291,20 @@ def test_two_process_gloo_ddp_keeps_ranks_identical(tmp_path, tiny_target, tiny_
     steps = events_of(out, "step")
     assert len(steps) == 6, "only rank 0 writes the stream"
     assert steps[0]["batch_tokens"] > 256, "tokens are summed over both ranks"
+    for name, accum in (("accum", 2), ("half", 1)):
+        one = cfg_file(tmp_path, tiny_target, tiny_data, name=name, grad_accum_steps=accum, **common)
+        r = run_train(one)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    acc_steps = events_of(tmp_path / "accum", "step")
+    assert [s["batch_tokens"] for s in acc_steps] == [s["batch_tokens"] for s in steps]
+    assert events_of(tmp_path / "accum", "run_start")[0]["totals"]["max_tokens_per_step"] == 512
+    # the loss and the gradient's norm before clipping (clipping and Adam would hide a mis-scaled sum)
+    assert [(s["loss"], s["grad_norm"]) for s in acc_steps] == [(s["loss"], s["grad_norm"]) for s in steps]
+    ddp, acc, half = (final_weights(tmp_path / n) for n in ("run", "accum", "half"))
+    differ = [k for k in ddp if not torch.equal(ddp[k], acc[k])]
+    assert not differ, f"2 ranks vs 1 process accumulating: {differ} differ (2 ranks reduce exactly)"
+    control = sum(float((ddp[k] - half[k]).double().norm()) for k in ddp)
+    assert control > 1e-2, f"the half-batch control differs too little ({control:.3g}) to show anything"
 
 
 def run_torchrun(cfg: Path, timeout=400, module: str = "trainer.cli") -> subprocess.CompletedProcess:

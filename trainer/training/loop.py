@@ -11,6 +11,7 @@ STOP_TIMEOUT the stop exceeded its bound.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import uuid
@@ -33,7 +34,7 @@ from trainer.training.distributed import (
     setup_dist,
 )
 from trainer.training.health import RunHealth, features_finite, target_agreement
-from trainer.training.metrics import StepResult, step_metrics
+from trainer.training.metrics import StepResult, merge_batches, step_metrics
 from trainer.training.shutdown import StallWatchdog, StopRequest
 from trainer.training.state import local_moment_numel, make_optimizer, rng_state, seed_all, set_rng_state
 
@@ -183,23 +184,38 @@ class Trainer:
             torch.cuda.synchronize(self.d.device)
         return cap
 
+    def drafter_backward(self, b: dict[str, Any], cap, scale: float, sync: bool):
+        """One micro-batch's drafter forward and backward, the loss scaled by `scale` (1 / the
+        micro-batches of the step). `sync` False: DDP keeps the gradient local (`no_sync`), the last
+        micro-batch's backward all-reduces what was accumulated. Returns (loss, metrics) unscaled."""
+        cfg = self.cfg
+        local = self.d.enabled and not sync
+        with self.model.no_sync() if local else contextlib.nullcontext():
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self._bf16):
+                _, loss, metrics = self.model(
+                    cap.aux,
+                    b["input_ids_t"],
+                    b["loss_mask_t"],
+                    cap.last,
+                    b["document_ids_t"],
+                    position_ids=b["position_ids_t"],
+                    loss_config=self.loss_config,
+                    gamma=cfg.train.gamma,
+                    max_anchors=cfg.train.max_anchors,
+                )
+            (loss * scale).backward()
+        return loss.detach(), {k: v.detach() for k, v in metrics.items()}
+
     def drafter_step(self, b: dict[str, Any], cap) -> StepResult:
-        """Drafter forward/backward, clip, optimizer + scheduler step. A non-finite loss/grad on any
-        rank skips the update everywhere (`finite` False)."""
+        """One micro-batch's whole drafter step (backward, then the update): what a step is with
+        grad_accum_steps 1; the benches time it alone."""
+        loss, metrics = self.drafter_backward(b, cap, 1.0, sync=True)
+        return self.optimizer_step(loss, metrics)
+
+    def optimizer_step(self, loss: torch.Tensor, metrics: dict[str, torch.Tensor]) -> StepResult:
+        """Clip, optimizer + scheduler step over the accumulated gradient. A non-finite loss/grad on
+        any rank skips the update everywhere (`finite` False)."""
         cfg, d = self.cfg, self.d
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self._bf16):
-            _, loss, metrics = self.model(
-                cap.aux,
-                b["input_ids_t"],
-                b["loss_mask_t"],
-                cap.last,
-                b["document_ids_t"],
-                position_ids=b["position_ids_t"],
-                loss_config=self.loss_config,
-                gamma=cfg.train.gamma,
-                max_anchors=cfg.train.max_anchors,
-            )
-        loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(
             [p for p in self.drafter.parameters() if p.requires_grad], cfg.train.grad_clip
         )
@@ -222,22 +238,51 @@ class Trainer:
         return target_agreement(self.drafter, b, cap, self.d)
 
     def train_step(self) -> dict[str, Any]:
+        """One optimizer step over `train.grad_accum_steps` micro-batches per rank: each one's target
+        capture, then its drafter forward/backward (the gradient accumulates, all-reduced once). Target
+        features that are not finite on any rank in any micro-batch skip the whole update on every
+        rank; the remaining micro-batches are still drawn (no capture), so the data stream stays where
+        an uninterrupted run has it."""
         t0 = time.perf_counter()
-        b = self.next_batch()
-        cap = self.capture(b)
-        features_ok = self.features_finite(cap)
+        n = self.cfg.train.grad_accum_steps
         check = self.step == 0 or (self.step + 1) % self.cfg.train.agreement_every == 0
-        agreement = self.target_agreement(b, cap) if check and features_ok else None
-        t1 = time.perf_counter()
+        agreement = None
+        features_ok = True
+        capture_s = 0.0
+        batches, losses, sums = [], [], {}
+        for i in range(n):
+            ta = time.perf_counter()
+            b = self.next_batch()
+            batches.append(b)
+            if not features_ok:
+                continue
+            cap = self.capture(b)
+            features_ok = self.features_finite(cap)
+            if check and i == 0 and features_ok:
+                agreement = self.target_agreement(b, cap)
+            capture_s += time.perf_counter() - ta
+            if features_ok:
+                loss, metrics = self.drafter_backward(b, cap, 1.0 / n, sync=i == n - 1)
+                losses.append(loss)
+                for k, v in metrics.items():  # speculators' sums and totals add over micro-batches
+                    sums[k] = sums[k] + v if k in sums else v
+            del cap
         if features_ok:
-            result = self.drafter_step(b, cap)
+            result = self.optimizer_step(torch.stack(losses).mean(), sums)
         else:  # every rank skips together (no half-done DDP backward)
+            self.optimizer.zero_grad(set_to_none=True)
             lr = self.scheduler.get_last_lr()[0]
             self.scheduler.step()
             result = StepResult.skipped(lr, self.d.device)
         t2 = time.perf_counter()
         m = step_metrics(
-            result, b, d=self.d, block_size=self.cfg.drafter.block_size, started=t0, captured=t1, done=t2
+            result,
+            merge_batches(batches),
+            d=self.d,
+            block_size=self.cfg.drafter.block_size,
+            started=t0,
+            captured=t0 + capture_s,
+            done=t2,
         )
         self.tokens += m["batch_tokens"]
         if agreement is not None:
@@ -273,8 +318,8 @@ class Trainer:
             },
             totals={
                 "total_steps": total,
-                "max_tokens_per_step": cfg.train.max_tokens_per_batch * d.world_size,
-                "total_tokens": cfg.train.max_tokens_per_batch * d.world_size * total,
+                "max_tokens_per_step": cfg.train.max_tokens_per_step(d.world_size),
+                "total_tokens": cfg.train.max_tokens_per_step(d.world_size) * total,
                 "data": self.data_totals,
             },
             pid=os.getpid(),

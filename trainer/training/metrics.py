@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from trainer.training.distributed import Dist, all_reduce_
@@ -28,6 +29,18 @@ class StepResult:
         """The step of a batch whose target features were not finite: no drafter forward at all."""
         nan = torch.tensor(float("nan"), device=device)
         return cls(loss=nan, metrics={}, grad_norm=nan, lr=lr, finite=False)
+
+
+def merge_batches(batches: list[dict[str, Any]]) -> dict[str, Any]:
+    """What `step_metrics` reads of a step's micro-batches (tokens, supervised tokens, documents) as
+    one batch."""
+    if len(batches) == 1:
+        return batches[0]
+    return {
+        "input_ids": np.concatenate([b["input_ids"] for b in batches]),
+        "loss_mask": np.concatenate([b["loss_mask"] for b in batches]),
+        "num_docs": sum(int(b["num_docs"]) for b in batches),
+    }
 
 
 def memory_snapshot(device: torch.device) -> dict[str, float]:
