@@ -101,6 +101,12 @@ class TrainConfig(_Section):
         "world_size x grad_accum_steps packed batches (the same ones, whatever the split)",
     )
     loss: Literal["ce", "kl_div"] = Field("ce", description="ce: hard CE to the verifier argmax (paper)")
+    loss_chunk_rows: int = Field(
+        0,
+        ge=0,
+        description="0: speculators' forward holds [anchors x block, vocab] logits and targets; N: heads and "
+        "loss over N query rows at a time, recomputed in the backward (same loss; memory of N rows)",
+    )
     gamma: float = Field(7.0, gt=0, description="per-position loss decay exp(-(k-1)/gamma)")
     max_anchors: int = Field(512, ge=1, description="anchored blocks sampled per packed batch")
     precision: Literal["auto", "float32", "bfloat16"] = Field(

@@ -278,7 +278,8 @@ def test_two_process_gloo_ddp_keeps_ranks_identical_and_equals_one_process_accum
     one process accumulating 2 micro-batches per step (train.grad_accum_steps) sees the same packed
     batches per step as 2 ranks of 1 (the sampler's shared stream) and must end with bit-identical weights
     and equal step losses (2 ranks: the all-reduce's sum and the accumulation's add the same two
-    halves); one process without accumulation (half the global batch) is the control. Every
+    halves); one process without accumulation (half the global batch) is the control. The same
+    1-process run with train.loss_chunk_rows 7 ends where the unchunked one does (to rounding). Every
     valid anchor is taken (max_anchors above the supervised positions), so no RNG draw differs."""
     common = {"max_steps": 6, "checkpoint_every": 3, "max_anchors": 512}
     cfg = cfg_file(tmp_path, tiny_target, tiny_data, **common)
@@ -291,8 +292,12 @@ def test_two_process_gloo_ddp_keeps_ranks_identical_and_equals_one_process_accum
     steps = events_of(out, "step")
     assert len(steps) == 6, "only rank 0 writes the stream"
     assert steps[0]["batch_tokens"] > 256, "tokens are summed over both ranks"
-    for name, accum in (("accum", 2), ("half", 1)):
-        one = cfg_file(tmp_path, tiny_target, tiny_data, name=name, grad_accum_steps=accum, **common)
+    for name, extra in (
+        ("accum", {"grad_accum_steps": 2}),
+        ("half", {}),
+        ("chunked", {"loss_chunk_rows": 7}),
+    ):
+        one = cfg_file(tmp_path, tiny_target, tiny_data, name=name, **extra, **common)
         r = run_train(one)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     acc_steps = events_of(tmp_path / "accum", "step")
@@ -305,6 +310,14 @@ def test_two_process_gloo_ddp_keeps_ranks_identical_and_equals_one_process_accum
     assert not differ, f"2 ranks vs 1 process accumulating: {differ} differ (2 ranks reduce exactly)"
     control = sum(float((ddp[k] - half[k]).double().norm()) for k in ddp)
     assert control > 1e-2, f"the half-batch control differs too little ({control:.3g}) to show anything"
+    # train.loss_chunk_rows: the same run as "half" with the heads and loss over 7-row chunks
+    chunked = final_weights(tmp_path / "chunked")
+    off = sum(float((chunked[k] - half[k]).double().norm()) for k in half)
+    assert off < 1e-3 * control, (
+        f"chunked vs unchunked loss: {off:.3g} (the half-batch control: {control:.3g})"
+    )
+    c_steps, h_steps = events_of(tmp_path / "chunked", "step"), events_of(tmp_path / "half", "step")
+    assert [s["eal"] for s in c_steps] == [s["eal"] for s in h_steps]
 
 
 def run_torchrun(cfg: Path, timeout=400, module: str = "trainer.cli") -> subprocess.CompletedProcess:

@@ -53,6 +53,17 @@ def test_full_logits_fused_on_cuda_eager_on_cpu():
     assert cpu["drafter_trainable"] == S.drafter_trainable * 8  # no autocast copy on CPU
 
 
+def test_chunked_loss_keeps_one_chunk_of_logits():
+    """train.loss_chunk_rows (trainer/training/chunked_loss.py): the logit copies of N rows, not of
+    every query row; a chunk larger than the query rows changes nothing; nothing else moves."""
+    full, chunked = parts(), parts(loss_chunk_rows=1024)
+    assert chunked["logits"] == 1024 * 248320 * 2 * 3 == full["logits"] / 8
+    assert parts(loss_chunk_rows=10**6)["logits"] == full["logits"]
+    assert {k: v for k, v in chunked.items() if k != "logits"} == {
+        k: v for k, v in full.items() if k != "logits"
+    }
+
+
 def test_frozen_is_fp32_embed_plus_one_shared_head_bf16_under_autocast():
     assert S.drafter_frozen == 2 * 248320 * 5120 + 5120
     assert parts(device="cpu")["drafter_frozen"] == S.drafter_frozen * 4
@@ -71,7 +82,12 @@ def test_plan_and_preflight_give_the_same_figures(make_config):
     """Same target, same knobs: `dflash plan` and preflight's memory gate are one model."""
     cfg = load_config(
         make_config(drafter={"aux_layer_ids": [2, 10, 18, 26, 34], "block_size": 16}),
-        [f"target.path={QWEN}", "target.gpus_per_copy=2", "train.max_anchors=64"],
+        [
+            f"target.path={QWEN}",
+            "target.gpus_per_copy=2",
+            "train.max_anchors=64",
+            "train.loss_chunk_rows=256",
+        ],
     )
     info = TargetInfo.from_folder(QWEN)
     t = read_target(QWEN / "config.json")
@@ -79,10 +95,11 @@ def test_plan_and_preflight_give_the_same_figures(make_config):
 
     info = replace(info, stored_params=t.params)  # the fixture has the index, not the shards
     pre = estimate_memory(cfg, info, cuda=True, world_size=4)
-    plan = per_gpu_bytes(t, 2, 4, cfg.drafter.num_layers, 5, 16, 64, cfg.train.max_tokens_per_batch)
+    plan = per_gpu_bytes(t, 2, 4, cfg.drafter.num_layers, 5, 16, 64, cfg.train.max_tokens_per_batch, 256)
     assert pre.keys() == plan.keys()
     for k in pre:
         assert pre[k] == pytest.approx(plan[k], rel=1e-3), k
+    assert plan["logits"] == 256 * t.vocab * 2 * 3, "the chunk, not the 64 x 16 query rows"
 
 
 @pytest.mark.parametrize(

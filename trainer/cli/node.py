@@ -147,6 +147,12 @@ def register(sub) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--anchors", type=int, default=512)
     p.add_argument("--tokens-per-batch", type=int, default=8192)
+    p.add_argument(
+        "--loss-chunk-rows",
+        type=int,
+        default=0,
+        help="train.loss_chunk_rows: logits and loss over this many rows at a time (default 0: all at once)",
+    )
     p.add_argument("--samples", type=int, default=902_000, help="training samples (default: the seeds' 902K)")
     p.add_argument("--mean-tokens", type=float, default=2000, help="mean tokens per sample (default 2000)")
     p.add_argument("--epochs", type=float, default=1.0)

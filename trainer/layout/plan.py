@@ -183,7 +183,15 @@ def drafter_params(t: TargetShape, layers: int, n_aux: int) -> int:
 
 
 def per_gpu_bytes(
-    t: TargetShape, n: int, dp: int, draft_layers: int, n_aux: int, block: int, anchors: int, tokens: int
+    t: TargetShape,
+    n: int,
+    dp: int,
+    draft_layers: int,
+    n_aux: int,
+    block: int,
+    anchors: int,
+    tokens: int,
+    loss_chunk_rows: int = 0,
 ) -> dict[str, float]:
     return per_device_bytes(
         shapes(t, draft_layers, n_aux),
@@ -194,6 +202,7 @@ def per_gpu_bytes(
         block=block,
         device="cuda",
         shard_optimizer_state=ASSUMPTIONS["shard_optimizer_state"],
+        loss_chunk_rows=loss_chunk_rows,
     )
 
 
@@ -207,12 +216,14 @@ def max_anchors_that_fit(
     anchors: int,
     tokens: int,
     budget: float,
+    loss_chunk_rows: int = 0,
 ) -> int:
     """The largest anchors <= `anchors` whose estimate fits `budget` (0: none does)."""
     lo, hi = 0, anchors
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if sum(per_gpu_bytes(t, n, dp, draft_layers, n_aux, block, mid, tokens).values()) <= budget:
+        parts = per_gpu_bytes(t, n, dp, draft_layers, n_aux, block, mid, tokens, loss_chunk_rows)
+        if sum(parts.values()) <= budget:
             lo = mid
         else:
             hi = mid - 1
@@ -234,6 +245,7 @@ def choose_layout(
     anchors: int,
     tokens: int,
     override: int | None = None,
+    loss_chunk_rows: int = 0,
 ) -> dict[str, Any]:
     budget = memory_gib * GIB * ASSUMPTIONS["usable_share"]
     tried = []
@@ -242,11 +254,13 @@ def choose_layout(
         raise PlanError(f"gpus_per_copy {override} does not divide the GPU count {count}")
 
     def anchors_for(m: int) -> int:
-        return max_anchors_that_fit(t, m, count // m, draft_layers, n_aux, block, anchors, tokens, budget)
+        return max_anchors_that_fit(
+            t, m, count // m, draft_layers, n_aux, block, anchors, tokens, budget, loss_chunk_rows
+        )
 
     for n in candidates:
         dp = count // n
-        parts = per_gpu_bytes(t, n, dp, draft_layers, n_aux, block, anchors, tokens)
+        parts = per_gpu_bytes(t, n, dp, draft_layers, n_aux, block, anchors, tokens, loss_chunk_rows)
         need = sum(parts.values())
         tried.append({"gpus_per_copy": n, "per_gpu_gib": round(need / GIB, 1)})
         if need <= budget or override:
@@ -360,6 +374,8 @@ def make_plan(args) -> dict[str, Any]:
         count = args.gpu_count
     if count < 1:
         raise PlanError(f"--gpu-count must be >= 1, got {count}")
+    if args.loss_chunk_rows < 0:
+        raise PlanError(f"--loss-chunk-rows must be >= 0 (0: no chunking), got {args.loss_chunk_rows}")
     n_aux = args.aux_layers
     layout = choose_layout(
         target,
@@ -371,6 +387,7 @@ def make_plan(args) -> dict[str, Any]:
         args.anchors,
         args.tokens_per_batch,
         args.gpus_per_copy,
+        loss_chunk_rows=args.loss_chunk_rows,
     )
     plan = {
         "gpu": gpu_name,
@@ -400,6 +417,7 @@ def make_plan(args) -> dict[str, Any]:
             "block_size": args.block_size,
             "anchors": args.anchors,
             "tokens_per_batch": args.tokens_per_batch,
+            "loss_chunk_rows": args.loss_chunk_rows,
         },
         "assumptions": ASSUMPTIONS,
     }

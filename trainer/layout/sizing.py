@@ -24,6 +24,7 @@ What the trainer holds (loop.py + speculators' DFlashDraftModel, read from their
 - logits: speculators' forward materialises the full [anchors x block, vocab] drafter logits and
   verifier targets whatever the loss; the fused (Triton, CUDA) loss adds only their gradient (bf16
   under autocast: 3 copies x 2 B), the eager loss (CPU) also keeps an fp32 log-softmax (4 x 4 B);
+  with `train.loss_chunk_rows` N (trainer/training/chunked_loss.py) the same copies of N rows only;
 - a runtime reserve on CUDA (context, cuBLAS/NCCL workspaces).
 
 Every constant is in ASSUMPTIONS (echoed by `dflash plan --json`). Nothing here has been measured
@@ -102,6 +103,7 @@ def per_device_bytes(
     device: str,
     shard_optimizer_state: bool = True,
     activation_bytes: int | None = None,
+    loss_chunk_rows: int = 0,
 ) -> dict[str, float]:
     """Bytes on the first GPU of a target copy (or in host RAM for device="cpu"), by part.
 
@@ -138,6 +140,7 @@ def per_device_bytes(
             + q * s.hidden * 4  # noise embedding (fp32 embed_tokens)
             + s.draft_layers * per_layer * act
         ),
-        "logits": q * s.vocab * a["logit_bytes"][loss] * a["logit_copies"][loss],
+        # train.loss_chunk_rows: one chunk's logits, targets and gradient at a time (chunked_loss.py)
+        "logits": min(q, loss_chunk_rows or q) * s.vocab * a["logit_bytes"][loss] * a["logit_copies"][loss],
         "runtime_reserve": a["runtime_reserve_gib_cuda"] * GIB if cuda else 0.0,
     }

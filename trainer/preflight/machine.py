@@ -94,6 +94,7 @@ def estimate_memory(
         device="cuda" if cuda else "cpu",
         shard_optimizer_state=t.shard_optimizer_state,
         activation_bytes=act_bytes,
+        loss_chunk_rows=t.loss_chunk_rows,
     )
 
 

@@ -83,10 +83,14 @@ class Trainer:
             ds, usable, cfg.train.max_tokens_per_batch, cfg.train.seed, d.rank, d.world_size
         )
         self.model = self.drafter
+        if cfg.train.loss_chunk_rows:  # the same forward, the heads and loss over row chunks
+            from trainer.training.chunked_loss import ChunkedDraftLoss
+
+            self.model = ChunkedDraftLoss(self.drafter, cfg.train.loss_chunk_rows)
         if d.enabled:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
-            self.model = DDP(self.drafter, device_ids=[d.device.index] if d.device.type == "cuda" else None)
+            self.model = DDP(self.model, device_ids=[d.device.index] if d.device.type == "cuda" else None)
         self.step = 0
         self.tokens = 0
         self.resumed_from: str | None = None
