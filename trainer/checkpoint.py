@@ -110,9 +110,16 @@ class Saved:
 
 
 def save_checkpoint(
-    out_dir: Path, step: int, drafter, trainer_state: dict[str, Any], meta: dict[str, Any], keep: int
+    out_dir: Path,
+    step: int,
+    drafter,
+    trainer_state: dict[str, Any],
+    meta: dict[str, Any],
+    keep: int,
+    state_dict: dict[str, Any] | None = None,
 ) -> Saved:
-    """Write a complete checkpoint for `step`, point `latest` at it, keep the newest `keep`."""
+    """Write a complete checkpoint for `step`, point `latest` at it, keep the newest `keep`.
+    `state_dict`: the drafter's weights gathered from its shards (FSDP), else the drafter's own."""
     import torch
 
     t0 = time.monotonic()
@@ -125,7 +132,8 @@ def save_checkpoint(
         shutil.rmtree(tmp)
     tmp.mkdir()
     try:
-        drafter.save_pretrained(str(tmp))
+        gathered = {} if state_dict is None else {"state_dict": state_dict}
+        drafter.save_pretrained(str(tmp), **gathered)
         torch.save(trainer_state, tmp / STATE)
         atomic_write_text(tmp / META, json.dumps({"step": step, **meta}, indent=1, sort_keys=True))
         write_sums(tmp)

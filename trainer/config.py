@@ -113,10 +113,18 @@ class TrainConfig(_Section):
         "auto", description="auto: bf16 autocast on CUDA, float32 on CPU"
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA when visible, else CPU")
-    shard_optimizer_state: bool = Field(
-        True,
-        description="with more than one rank, shard AdamW's moments over the data-parallel ranks (ZeRO-1, "
-        "torch ZeroRedundancyOptimizer); checkpoints hold the full state either way",
+    shard: Literal["none", "optimizer", "full"] = Field(
+        "optimizer",
+        description="with more than one rank: none = DDP, every rank holds the whole drafter and AdamW; "
+        "optimizer = DDP + AdamW's moments sharded (ZeRO-1, torch ZeroRedundancyOptimizer); full = FSDP2 "
+        "(torch fully_shard): trainable weights, gradients and moments sharded, each draft layer gathered "
+        "only while it runs. Checkpoints hold the full state in one format whatever the level",
+    )
+    activation_checkpointing: bool = Field(
+        False,
+        description="keep only each draft layer's input in the forward and recompute the layer in the "
+        "backward (transformers' gradient checkpointing, non-reentrant): activations of one layer, "
+        "not of all, at the cost of one more forward of the draft layers",
     )
     log_every: int = Field(1, ge=1, description="steps between step events")
     stop_timeout_s: float = Field(
@@ -137,6 +145,23 @@ class TrainConfig(_Section):
     nan_tolerance: int = Field(
         3, ge=0, description="consecutive non-finite losses skipped (warned) before the run stops"
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shard_optimizer_state(cls, data: Any) -> Any:
+        """The boolean this field replaced (still in older run.yaml files): true = optimizer, false = none."""
+        if isinstance(data, dict) and "shard_optimizer_state" in data:
+            data = dict(data)
+            old = data.pop("shard_optimizer_state")
+            if not isinstance(old, bool):
+                raise ValueError(f"train.shard_optimizer_state must be true or false, got {old!r}")
+            if "shard" in data and data["shard"] != ("optimizer" if old else "none"):
+                raise ValueError(
+                    "train.shard_optimizer_state (replaced by train.shard) contradicts train.shard: "
+                    "keep only train.shard"
+                )
+            data["shard"] = "optimizer" if old else "none"
+        return data
 
     @model_validator(mode="after")
     def _warmup(self) -> TrainConfig:

@@ -113,8 +113,9 @@ def trainable_state(model) -> dict[str, torch.Tensor]:
     return {n: p for n, p in model.named_parameters() if p.requires_grad}
 
 
-def load_trainable_weights(model, path: Path) -> None:
-    """Load every trainable tensor from a speculators model.safetensors; shapes must match."""
+def read_trainable_weights(model, path: Path) -> dict[str, torch.Tensor]:
+    """Every trainable tensor of `model` from a speculators model.safetensors, by name; names and
+    shapes must match (an FSDP-sharded model's parameters have their full shapes)."""
     from safetensors.torch import load_file
 
     tensors = load_file(str(path))
@@ -130,8 +131,15 @@ def load_trainable_weights(model, path: Path) -> None:
             raise ValueError(
                 f"{path}: {name} has shape {tuple(src.shape)}, the drafter needs {tuple(param.shape)}"
             )
-        with torch.no_grad():
-            param.copy_(src.to(param.dtype))
+    return {name: tensors[name] for name in want}
+
+
+def load_trainable_weights(model, path: Path) -> None:
+    """Load every trainable tensor from a speculators model.safetensors; shapes must match."""
+    params = trainable_state(model)
+    with torch.no_grad():
+        for name, src in read_trainable_weights(model, path).items():
+            params[name].copy_(src.to(params[name].dtype))
 
 
 def count_trainable(model) -> int:

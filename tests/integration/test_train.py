@@ -360,7 +360,7 @@ def test_a_rank_that_diverges_stops_the_run_loudly(tmp_path, tiny_target, tiny_d
 
 
 def test_zero1_shards_adam_moments_and_resumes_exactly(tmp_path, tiny_target, tiny_data):
-    """train.shard_optimizer_state (default): each of 2 gloo ranks holds about half the Adam moments
+    """train.shard optimizer (default): each of 2 gloo ranks holds about half the Adam moments
     (counted on the rank's own optimizer), the checkpoint holds the full state, and a resume from it
     continues exactly like the uninterrupted run; plain AdamW on both ranks trains the same weights."""
     import shutil
@@ -414,12 +414,13 @@ def test_zero1_shards_adam_moments_and_resumes_exactly(tmp_path, tiny_target, ti
         name="plain",
         max_steps=6,
         checkpoint_every=3,
-        shard_optimizer_state=False,
+        shard="none",
     )
     res = run_torchrun(plain)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     ck = events_of(tmp_path / "plain", "checkpoint")[-1]
     assert not ck["optimizer_sharded"] and ck["moment_numel_per_rank"] == [total, total]
+    assert events_of(tmp_path / "plain", "run_start")[0]["layout"]["optimizer"] == "AdamW"
     c = final_weights(tmp_path / "plain")
     for k in a:
         torch.testing.assert_close(a[k], c[k], rtol=1e-5, atol=1e-6)

@@ -58,8 +58,13 @@ def test_optimizer_moments_are_sharded_over_data_parallel_ranks():
     one = plan("--gpu", "B200", "--gpu-count", 1)["per_gpu_breakdown_gib"]
     eight = plan("--gpu", "B200", "--gpu-count", 8)["per_gpu_breakdown_gib"]
     assert eight["drafter_optimizer"] == pytest.approx(one["drafter_optimizer"] / 8, abs=0.01)
-    # DDP adds its fp32 gradient buckets (4 B/param) on every rank: replicated, not sharded
-    assert eight["drafter_trainable"] > one["drafter_trainable"]
+    # DDP's gradients are views into its buckets (gradient_as_bucket_view): nothing added per rank
+    assert eight["drafter_trainable"] == one["drafter_trainable"]
+    full = plan("--gpu", "B200", "--gpu-count", 8, "--shard", "full")
+    assert full["shard"] == "full"
+    got = full["per_gpu_breakdown_gib"]
+    assert got["drafter_trainable"] == pytest.approx(one["drafter_trainable"] * 8 / 10 / 8, abs=0.01)
+    assert got["drafter_gathered"] > 0
     assert (
         plan("--gpu", "B200", "--gpu-count", 8)["assumptions"]["memory_model"] == "trainer/layout/sizing.py"
     )

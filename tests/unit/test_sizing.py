@@ -1,12 +1,12 @@
 """trainer/layout/sizing.py: the one memory model of `dflash plan` and `dflash preflight`, and what it
-counts for the trainer as it runs (fp32 drafter, DDP buckets, ZeRO-1 moments, full logits)."""
+counts for the trainer as it runs (fp32 drafter, DDP, ZeRO-1 moments, FSDP2, full or chunked logits)."""
 
 from pathlib import Path
 
 import pytest
 
 from trainer.config import load_config
-from trainer.layout.plan import per_gpu_bytes, read_target
+from trainer.layout.plan import Recipe, per_gpu_bytes, read_target
 from trainer.layout.sizing import Shapes, per_device_bytes
 from trainer.preflight.machine import estimate_memory
 from trainer.target import TargetInfo
@@ -31,17 +31,41 @@ def parts(**kw):
     return per_device_bytes(S, **{"gpus_per_copy": 1, "data_parallel": 1, "device": "cuda", **KNOBS, **kw})
 
 
-def test_zero1_shards_only_the_moments_and_ddp_adds_buckets():
+def test_each_shard_level_divides_what_it_shards():
+    """none: everything whole (DDP's gradients are views into its buckets: no extra copy); optimizer:
+    the moments / ranks; full (FSDP2): weights, gradients and moments / ranks plus the gathered
+    working set (two draft layers in bf16 and the root group, one group's unsharded gradient)."""
     p = S.drafter_trainable
-    solo, four, four_plain = (
+    solo, four, four_plain, four_full = (
         parts(),
         parts(data_parallel=4),
-        parts(data_parallel=4, shard_optimizer_state=False),
+        parts(data_parallel=4, shard="none"),
+        parts(data_parallel=4, shard="full"),
     )
     assert solo["drafter_optimizer"] == p * 8 == four_plain["drafter_optimizer"]
-    assert four["drafter_optimizer"] == p * 8 / 4
+    assert four["drafter_optimizer"] == p * 8 / 4 == four_full["drafter_optimizer"]
     assert solo["drafter_trainable"] == p * (4 + 4 + 2)  # fp32 weight + grad + bf16 autocast cast
-    assert four["drafter_trainable"] == p * (4 + 4 + 4 + 2)  # + DDP's fp32 gradient buckets
+    assert four["drafter_trainable"] == solo["drafter_trainable"] == four_plain["drafter_trainable"]
+    assert four_full["drafter_trainable"] == p * (4 + 4) / 4
+    layer = S.decoder_layer_params()
+    root = p - layer  # one draft layer: fc + norms are the rest
+    assert four_full["drafter_gathered"] == (1 * layer + root) * 2 + (layer + root) * 4
+    assert solo["drafter_gathered"] == four["drafter_gathered"] == 0
+    assert parts(shard="full") == solo, "one rank: every level is plain AdamW"
+    with pytest.raises(ValueError, match="shard 'zero3'"):
+        parts(shard="zero3")
+
+
+def test_activation_checkpointing_keeps_one_layer_of_activations():
+    """train.activation_checkpointing: each of 5 layers keeps its input; one layer's tensors return
+    while its backward recomputes it."""
+    s5 = Shapes(**{**S.__dict__, "draft_layers": 5})
+    base = dict(gpus_per_copy=1, data_parallel=1, device="cuda", **KNOBS)
+    off = per_device_bytes(s5, **base)["activations"]
+    on = per_device_bytes(s5, activation_checkpointing=True, **base)["activations"]
+    q, t = 512 * 16, 8192
+    per_layer = 4 * (q + t) * S.hidden + 3 * q * S.intermediate
+    assert off - on == (5 * per_layer - (5 * q * S.hidden + per_layer)) * 2
 
 
 def test_full_logits_fused_on_cuda_eager_on_cpu():
@@ -95,7 +119,8 @@ def test_plan_and_preflight_give_the_same_figures(make_config):
 
     info = replace(info, stored_params=t.params)  # the fixture has the index, not the shards
     pre = estimate_memory(cfg, info, cuda=True, world_size=4)
-    plan = per_gpu_bytes(t, 2, 4, cfg.drafter.num_layers, 5, 16, 64, cfg.train.max_tokens_per_batch, 256)
+    recipe = Recipe(cfg.drafter.num_layers, 5, 16, 64, cfg.train.max_tokens_per_batch, loss_chunk_rows=256)
+    plan = per_gpu_bytes(t, 2, 4, recipe, cfg.train.shard)
     assert pre.keys() == plan.keys()
     for k in pre:
         assert pre[k] == pytest.approx(plan[k], rel=1e-3), k

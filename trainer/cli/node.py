@@ -153,6 +153,17 @@ def register(sub) -> None:
         default=0,
         help="train.loss_chunk_rows: logits and loss over this many rows at a time (default 0: all at once)",
     )
+    p.add_argument(
+        "--shard",
+        choices=["auto", "none", "optimizer", "full"],
+        default="auto",
+        help="train.shard (default auto: the lightest level that fits, optimizer then full)",
+    )
+    p.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="train.activation_checkpointing: recompute the draft layers in the backward",
+    )
     p.add_argument("--samples", type=int, default=902_000, help="training samples (default: the seeds' 902K)")
     p.add_argument("--mean-tokens", type=float, default=2000, help="mean tokens per sample (default 2000)")
     p.add_argument("--epochs", type=float, default=1.0)

@@ -11,8 +11,10 @@ Layout rule: the smallest number of GPUs per copy n (a divisor of the GPU count)
 per-GPU estimate fits in `usable_share` of a GPU's memory; data-parallel width = count // n. The
 estimate is that of the copy's first GPU (it holds 1/n of the target's layers AND the drafter, its
 optimizer, features and loss) from `trainer/layout/sizing.py`, the one memory model `dflash preflight`
-uses too: it models the trainer as it runs (fp32 drafter, DDP, AdamW moments sharded by ZeRO-1 when
-`train.shard_optimizer_state`, full [anchors x block, vocab] logits, fused loss on CUDA). When no
+uses too: it models the trainer as it runs (fp32 drafter, DDP + ZeRO-1 or FSDP2 by `train.shard`,
+[anchors x block, vocab] logits unless `train.loss_chunk_rows`, fused loss on CUDA). `--shard auto`
+(the default) takes, for each GPUs-per-copy count, the lightest level that fits (optimizer, then
+full). When no
 layout fits (exit 1), the reason names the largest parts; then, and for a fit within 3 % of the
 budget (`thin_margin`), `fits_with_anchors` lists the largest `--anchors` each layout would fit with.
 
@@ -67,10 +69,13 @@ ASSUMPTIONS = {
     "thin_margin_share": 0.97,  # a fit above this share of the budget is flagged as thin
     "memory_model": "trainer/layout/sizing.py",
     **SIZING_ASSUMPTIONS,
-    "shard_optimizer_state": True,  # train.shard_optimizer_state's default (ZeRO-1)
+    "shard_auto_order": ["optimizer", "full"],  # --shard auto: the lightest level that fits
     "mfu": 0.35,  # model FLOPs utilisation of the target forward (bf16)
     "drafter_compute_share": 0.25,  # drafter forward+backward time relative to the target forward
 }
+
+
+AUTO_SHARD_ORDER = tuple(ASSUMPTIONS["shard_auto_order"])
 
 
 class PlanError(DflashError, ValueError):
@@ -182,48 +187,42 @@ def drafter_params(t: TargetShape, layers: int, n_aux: int) -> int:
     return shapes(t, layers, n_aux).drafter_trainable
 
 
-def per_gpu_bytes(
-    t: TargetShape,
-    n: int,
-    dp: int,
-    draft_layers: int,
-    n_aux: int,
-    block: int,
-    anchors: int,
-    tokens: int,
-    loss_chunk_rows: int = 0,
-) -> dict[str, float]:
+@dataclass(frozen=True)
+class Recipe:
+    """The run's shape as the memory model needs it (the `dflash plan` flags / train.* keys).
+    `shard` None: the plan picks the lightest `train.shard` level that fits (`AUTO_SHARD_ORDER`)."""
+
+    draft_layers: int
+    n_aux: int
+    block: int
+    anchors: int
+    tokens: int
+    loss_chunk_rows: int = 0
+    shard: str | None = None
+    activation_checkpointing: bool = False
+
+
+def per_gpu_bytes(t: TargetShape, n: int, dp: int, r: Recipe, shard: str) -> dict[str, float]:
     return per_device_bytes(
-        shapes(t, draft_layers, n_aux),
+        shapes(t, r.draft_layers, r.n_aux),
         gpus_per_copy=n,
         data_parallel=dp,
-        tokens=tokens,
-        anchors=anchors,
-        block=block,
+        tokens=r.tokens,
+        anchors=r.anchors,
+        block=r.block,
         device="cuda",
-        shard_optimizer_state=ASSUMPTIONS["shard_optimizer_state"],
-        loss_chunk_rows=loss_chunk_rows,
+        shard=shard,
+        loss_chunk_rows=r.loss_chunk_rows,
+        activation_checkpointing=r.activation_checkpointing,
     )
 
 
-def max_anchors_that_fit(
-    t: TargetShape,
-    n: int,
-    dp: int,
-    draft_layers: int,
-    n_aux: int,
-    block: int,
-    anchors: int,
-    tokens: int,
-    budget: float,
-    loss_chunk_rows: int = 0,
-) -> int:
-    """The largest anchors <= `anchors` whose estimate fits `budget` (0: none does)."""
-    lo, hi = 0, anchors
+def max_anchors_that_fit(t: TargetShape, n: int, dp: int, r: Recipe, shard: str, budget: float) -> int:
+    """The largest anchors <= `r.anchors` whose estimate fits `budget` (0: none does)."""
+    lo, hi = 0, r.anchors
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        parts = per_gpu_bytes(t, n, dp, draft_layers, n_aux, block, mid, tokens, loss_chunk_rows)
-        if sum(parts.values()) <= budget:
+        if sum(per_gpu_bytes(t, n, dp, replace(r, anchors=mid), shard).values()) <= budget:
             lo = mid
         else:
             hi = mid - 1
@@ -235,44 +234,47 @@ def _largest(parts: dict[str, float]) -> str:
     return ", ".join(f"{k} {v / GIB:.1f} GiB" for k, v in big)
 
 
+def _levels(r: Recipe, dp: int) -> tuple[str, ...]:
+    """The train.shard levels to try at data-parallel width `dp`, lightest first."""
+    if r.shard is not None:
+        return (r.shard,)
+    return AUTO_SHARD_ORDER if dp > 1 else ("none",)  # one rank per copy set: nothing to shard over
+
+
 def choose_layout(
-    t: TargetShape,
-    memory_gib: float,
-    count: int,
-    draft_layers: int,
-    n_aux: int,
-    block: int,
-    anchors: int,
-    tokens: int,
-    override: int | None = None,
-    loss_chunk_rows: int = 0,
+    t: TargetShape, memory_gib: float, count: int, r: Recipe, override: int | None = None
 ) -> dict[str, Any]:
+    """The fewest GPUs per copy (then the lightest shard level) whose estimate fits."""
     budget = memory_gib * GIB * ASSUMPTIONS["usable_share"]
     tried = []
     candidates = [override] if override else [n for n in range(1, count + 1) if count % n == 0]
     if override and count % override:
         raise PlanError(f"gpus_per_copy {override} does not divide the GPU count {count}")
 
-    def anchors_for(m: int) -> int:
-        return max_anchors_that_fit(
-            t, m, count // m, draft_layers, n_aux, block, anchors, tokens, budget, loss_chunk_rows
-        )
+    def anchors_for(m: int, shard: str) -> int:
+        return max_anchors_that_fit(t, m, count // m, r, shard, budget)
 
     for n in candidates:
         dp = count // n
-        parts = per_gpu_bytes(t, n, dp, draft_layers, n_aux, block, anchors, tokens, loss_chunk_rows)
-        need = sum(parts.values())
-        tried.append({"gpus_per_copy": n, "per_gpu_gib": round(need / GIB, 1)})
+        levels = _levels(r, dp)
+        for shard in levels:
+            parts = per_gpu_bytes(t, n, dp, r, shard)
+            need = sum(parts.values())
+            tried.append({"gpus_per_copy": n, "shard": shard, "per_gpu_gib": round(need / GIB, 1)})
+            if need <= budget or (override and shard == levels[-1]):
+                break
         if need <= budget or override:
             fits = need <= budget
             thin = fits and need > ASSUMPTIONS["thin_margin_share"] * budget
-            smaller = [(m, k) for m in candidates if m < n and (k := anchors_for(m)) > 0] if thin else []
+            smaller = (
+                [(m, k) for m in candidates if m < n and (k := anchors_for(m, shard)) > 0] if thin else []
+            )
             reason = (
                 f"target {t.params / 1e9:.1f}B params x {DTYPE_BYTES[t.dtype]} B = "
                 f"{t.params * DTYPE_BYTES[t.dtype] / GIB:.1f} GiB; "
                 + ("" if n == 1 else f"fewer than {n} GPUs per copy need more than the budget; ")
-                + f"with {n} per copy each GPU needs ~{need / GIB:.1f} GiB of {memory_gib:.1f} GiB "
-                f"(budget {ASSUMPTIONS['usable_share']:.0%} = {budget / GIB:.1f} GiB)"
+                + f"with {n} per copy and train.shard {shard} each GPU needs ~{need / GIB:.1f} GiB of "
+                f"{memory_gib:.1f} GiB (budget {ASSUMPTIONS['usable_share']:.0%} = {budget / GIB:.1f} GiB)"
                 + ("" if not override else f"; gpus_per_copy={override} set by hand")
                 + (
                     f"; THIN MARGIN: within {1 - ASSUMPTIONS['thin_margin_share']:.0%} of the budget, and "
@@ -286,16 +288,18 @@ def choose_layout(
             return {
                 "gpus_per_copy": n,
                 "data_parallel": dp,
+                "shard": shard,
                 "fits": fits,
                 "per_gpu_bytes": parts,
                 "per_gpu_memory_gb": round(need / 1e9, 1),
                 "per_gpu_memory_gib": round(need / GIB, 1),
+                "headroom_share": round(1 - need / (memory_gib * GIB), 3),
                 "reason": reason,
                 "tried": tried,
                 "thin_margin": thin,
                 "fits_with_anchors": [{"gpus_per_copy": m, "anchors": k} for m, k in smaller],
             }
-    fitting = [(n, k) for n in candidates if (k := anchors_for(n)) > 0]
+    fitting = [(n, k) for n in candidates if (k := anchors_for(n, _levels(r, count // n)[-1])) > 0]
     hint = (
         "; " + ", ".join(f"{n} per copy fits with --anchors {k} (train.max_anchors)" for n, k in fitting[:3])
         if fitting
@@ -304,13 +308,14 @@ def choose_layout(
     return {
         "gpus_per_copy": None,
         "data_parallel": 0,
+        "shard": None,
         "fits": False,
         "per_gpu_bytes": parts,
         "per_gpu_memory_gb": round(need / 1e9, 1),
         "per_gpu_memory_gib": round(need / GIB, 1),
         "reason": f"even {count} GPUs per copy need ~{need / GIB:.1f} GiB on the copy's first GPU "
-        f"(largest: {_largest(parts)}), over the {budget / GIB:.1f} GiB budget with "
-        f"--anchors {anchors} x --block-size {block}" + hint,
+        f"(train.shard {shard}; largest: {_largest(parts)}), over the "
+        f"{budget / GIB:.1f} GiB budget with --anchors {r.anchors} x --block-size {r.block}" + hint,
         "fits_with_anchors": [{"gpus_per_copy": n, "anchors": k} for n, k in fitting],
         "tried": tried,
     }
@@ -377,18 +382,17 @@ def make_plan(args) -> dict[str, Any]:
     if args.loss_chunk_rows < 0:
         raise PlanError(f"--loss-chunk-rows must be >= 0 (0: no chunking), got {args.loss_chunk_rows}")
     n_aux = args.aux_layers
-    layout = choose_layout(
-        target,
-        spec["memory_gib"],
-        count,
-        args.draft_layers,
-        n_aux,
-        args.block_size,
-        args.anchors,
-        args.tokens_per_batch,
-        args.gpus_per_copy,
+    recipe = Recipe(
+        draft_layers=args.draft_layers,
+        n_aux=n_aux,
+        block=args.block_size,
+        anchors=args.anchors,
+        tokens=args.tokens_per_batch,
         loss_chunk_rows=args.loss_chunk_rows,
+        shard=None if args.shard == "auto" else args.shard,
+        activation_checkpointing=args.activation_checkpointing,
     )
+    layout = choose_layout(target, spec["memory_gib"], count, recipe, args.gpus_per_copy)
     plan = {
         "gpu": gpu_name,
         "gpu_count": count,
@@ -403,7 +407,9 @@ def make_plan(args) -> dict[str, Any]:
         },
         "gpus_per_copy": layout["gpus_per_copy"],
         "data_parallel": layout["data_parallel"],
+        "shard": layout["shard"],
         "fits": layout["fits"],
+        "headroom_share": layout.get("headroom_share"),
         "per_gpu_memory_gb": layout["per_gpu_memory_gb"],
         "per_gpu_memory_gib": layout["per_gpu_memory_gib"],
         "per_gpu_breakdown_gib": {k: round(v / GIB, 2) for k, v in layout["per_gpu_bytes"].items()},
@@ -418,6 +424,7 @@ def make_plan(args) -> dict[str, Any]:
             "anchors": args.anchors,
             "tokens_per_batch": args.tokens_per_batch,
             "loss_chunk_rows": args.loss_chunk_rows,
+            "activation_checkpointing": args.activation_checkpointing,
         },
         "assumptions": ASSUMPTIONS,
     }
@@ -438,10 +445,14 @@ def render_text(p: dict[str, Any]) -> str:
         ),
         f"gpus     {p['gpu_count']} x {p['gpu']} ({p['gpu_memory_gib']} GiB each)",
         (
-            f"layout   {p['gpus_per_copy']} GPU(s) per target copy, data-parallel {p['data_parallel']}"
+            f"layout   {p['gpus_per_copy']} GPU(s) per target copy, data-parallel {p['data_parallel']}, "
+            f"train.shard {p['shard']}"
             if p["gpus_per_copy"] is not None
             else "layout   NONE FITS (tried "
-            + ", ".join(f"{t['gpus_per_copy']} per copy: {t['per_gpu_gib']} GiB" for t in p["tried"])
+            + ", ".join(
+                f"{t['gpus_per_copy']} per copy, shard {t['shard']}: {t['per_gpu_gib']} GiB"
+                for t in p["tried"]
+            )
             + ")"
         ),
         f"memory   ~{p['per_gpu_memory_gib']} GiB per GPU: "

@@ -9,11 +9,16 @@ What the trainer holds (loop.py + speculators' DFlashDraftModel, read from their
 
 - target weights / gpus_per_copy (target dtype; the base model only, no lm_head is loaded), plus
   the no-grad forward's transient working set of one layer (its MLP: gate, up and product);
-- the drafter's trainable parameters in fp32 (decoder layers, fc, hidden_norm, norm), their fp32
-  gradients, and under DDP (world > 1) DDP's flat gradient buckets, one more fp32 copy; on CUDA
+- the drafter's trainable parameters in fp32 (decoder layers, fc, hidden_norm, norm) and their fp32
+  gradients (under DDP views into its buckets, `gradient_as_bucket_view`: no second copy); on CUDA
   bf16 autocast keeps a bf16 cast of each trainable weight alive for the backward;
-- AdamW's two fp32 moments: on every rank with plain AdamW, 1/data_parallel of them per rank with
-  ZeRO-1 (`train.shard_optimizer_state`, torch's ZeroRedundancyOptimizer);
+- AdamW's two fp32 moments: on every rank with plain AdamW (`train.shard: none`), 1/data_parallel of
+  them per rank with ZeRO-1 (`optimizer`, torch's ZeroRedundancyOptimizer);
+- `train.shard: full` (FSDP2, data_parallel > 1): weights, gradients and moments 1/data_parallel per
+  rank, plus the gathered working set (`drafter_gathered`): the root group (fc and norms) whole for the
+  step, one draft layer gathered and the next prefetched, in the compute dtype (bf16 on CUDA), and one
+  group's unsharded gradient before its fp32 reduce-scatter; no autocast copies (the gathered weights
+  already are bf16);
 - the drafter's frozen tensors: embed_tokens (vocab x hidden) and verifier_norm in fp32 (the drafter
   is built in fp32), and one vocab x hidden head shared by lm_head and verifier_lm_head (full
   vocabulary: both hold the target's lm_head), fp32 on CPU and bf16 under bf16 autocast, where
@@ -21,6 +26,8 @@ What the trainer holds (loop.py + speculators' DFlashDraftModel, read from their
 - activations: the captured aux states (n_aux x tokens x hidden) and last hidden state, fc output,
   and per drafter layer `activation_copies` tensors of width hidden over context + query tokens
   plus the MLP's three intermediate-width tensors over the query tokens (query = anchors x block);
+  with `train.activation_checkpointing` only each layer's input over the query tokens is kept, and
+  one layer's tensors exist again while its backward recomputes it;
 - logits: speculators' forward materialises the full [anchors x block, vocab] drafter logits and
   verifier targets whatever the loss; the fused (Triton, CUDA) loss adds only their gradient (bf16
   under autocast: 3 copies x 2 B), the eager loss (CPU) also keeps an fp32 log-softmax (4 x 4 B);
@@ -37,13 +44,20 @@ from dataclasses import dataclass
 from typing import Any
 
 GIB = float(2**30)
+SHARD_LEVELS = ("none", "optimizer", "full")  # train.shard
 
 ASSUMPTIONS: dict[str, Any] = {
     # trainable tensors and the frozen embedding (the drafter is built fp32)
     "drafter_param_dtype": "float32",
-    "trainable_bytes_per_param": {"weight": 4, "grad": 4, "ddp_bucket": 4, "autocast_copy_cuda": 2},
+    "trainable_bytes_per_param": {"weight": 4, "grad": 4, "autocast_copy_cuda": 2},
+    "ddp_gradients": "views into DDP's buckets (gradient_as_bucket_view): no second copy",
     "adam_moment_bytes_per_param": 8,  # exp_avg + exp_avg_sq, fp32
-    "optimizer_sharding": "ZeRO-1 over data-parallel ranks when shard_optimizer_state and data_parallel > 1",
+    "shard_levels": {
+        "none": "weights, gradients, moments whole on every rank",
+        "optimizer": "moments / data_parallel (ZeRO-1)",
+        "full": "weights, gradients, moments / data_parallel (FSDP2) + the gathered working set",
+    },
+    "fsdp_gathered_layers": 2,  # the running draft layer and the prefetched next one
     "frozen": (
         "embed_tokens + verifier_norm fp32; one head shared by lm_head/verifier_lm_head, "
         "bf16 under bf16 autocast (CUDA), else fp32"
@@ -101,9 +115,10 @@ def per_device_bytes(
     anchors: int,
     block: int,
     device: str,
-    shard_optimizer_state: bool = True,
+    shard: str = "optimizer",
     activation_bytes: int | None = None,
     loss_chunk_rows: int = 0,
+    activation_checkpointing: bool = False,
 ) -> dict[str, float]:
     """Bytes on the first GPU of a target copy (or in host RAM for device="cpu"), by part.
 
@@ -111,34 +126,48 @@ def per_device_bytes(
     the activation width (train.precision float32 on CUDA = 4)."""
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device {device!r}: use cuda or cpu")
+    if shard not in SHARD_LEVELS:
+        raise ValueError(f"shard {shard!r}: use one of {', '.join(SHARD_LEVELS)}")
     a = ASSUMPTIONS
     cuda = device == "cuda"
     act = activation_bytes or (2 if cuda else 4)
     tb = a["trainable_bytes_per_param"]
     p = s.drafter_trainable
-    ddp = data_parallel > 1
-    per_param = tb["weight"] + tb["grad"] + (tb["ddp_bucket"] if ddp else 0)
-    per_param += tb["autocast_copy_cuda"] if cuda and act == 2 else 0
-    shards = data_parallel if (shard_optimizer_state and ddp) else 1
+    level = shard if data_parallel > 1 else "none"
+    fsdp = level == "full"
     q = anchors * block
     draft_inter = s.draft_intermediate or s.intermediate
+    if fsdp:  # sharded fp32 weights + gradients; the gathered bf16 layers replace autocast's copies
+        trainable = p * (tb["weight"] + tb["grad"]) / data_parallel
+        layer = s.decoder_layer_params(s.draft_intermediate)
+        root = p - s.draft_layers * layer  # fc, hidden_norm, norm
+        gathered = (min(a["fsdp_gathered_layers"], s.draft_layers) * layer + root) * act + (layer + root) * 4
+    else:
+        per_param = tb["weight"] + tb["grad"] + (tb["autocast_copy_cuda"] if cuda and act == 2 else 0)
+        trainable, gathered = p * per_param, 0.0
+    moment_shards = data_parallel if level in ("optimizer", "full") else 1
     loss = "fused" if cuda else "eager"
     # under bf16 autocast the frozen head is stored in bf16 (trainer/drafter.py cast_frozen_heads)
     head_bytes = 2 if cuda and act == 2 else 4
     per_layer = (
         a["activation_copies"] * (q + tokens) * s.hidden + a["mlp_intermediate_copies"] * q * draft_inter
     )
+    # activation checkpointing: each layer's input kept, one layer's tensors again in its backward
+    layers_act = (
+        q * s.hidden * s.draft_layers + per_layer if activation_checkpointing else s.draft_layers * per_layer
+    )
     return {
         "target_weights": s.target_params * s.target_dtype_bytes / gpus_per_copy,
         "target_forward": tokens * s.intermediate * a["mlp_intermediate_copies"] * s.target_dtype_bytes,
-        "drafter_trainable": p * per_param,
-        "drafter_optimizer": p * a["adam_moment_bytes_per_param"] / shards,
+        "drafter_trainable": trainable,
+        "drafter_gathered": gathered,
+        "drafter_optimizer": p * a["adam_moment_bytes_per_param"] / moment_shards,
         "drafter_frozen": (s.vocab * s.hidden + s.hidden) * 4 + s.vocab * s.hidden * head_bytes,
         "activations": (
             (s.n_aux + 1) * tokens * s.hidden * s.target_dtype_bytes  # captured aux + last
             + 2 * tokens * s.hidden * act  # fc output, hidden_norm
             + q * s.hidden * 4  # noise embedding (fp32 embed_tokens)
-            + s.draft_layers * per_layer * act
+            + layers_act * act
         ),
         # train.loss_chunk_rows: one chunk's logits, targets and gradient at a time (chunked_loss.py)
         "logits": min(q, loss_chunk_rows or q) * s.vocab * a["logit_bytes"][loss] * a["logit_copies"][loss],

@@ -78,7 +78,7 @@ def estimate_memory(
     """Bytes per device, by part, from trainer/layout/sizing.py (the model `dflash plan` uses too).
 
     `world_size` (default: $WORLD_SIZE, 1 outside torchrun) is the data-parallel width: it decides
-    DDP's gradient buckets and, with train.shard_optimizer_state, each rank's share of the moments."""
+    each rank's share of the moments (train.shard optimizer) or of the whole drafter (full)."""
     half = 2 if cuda else 4
     weight_bytes = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": half}[cfg.target.dtype]
     act_bytes = {"float32": 4, "bfloat16": 2, "auto": half}[cfg.train.precision] if cuda else 4
@@ -92,9 +92,10 @@ def estimate_memory(
         anchors=t.max_anchors,
         block=cfg.drafter.block_size,
         device="cuda" if cuda else "cpu",
-        shard_optimizer_state=t.shard_optimizer_state,
+        shard=t.shard,
         activation_bytes=act_bytes,
         loss_chunk_rows=t.loss_chunk_rows,
+        activation_checkpointing=t.activation_checkpointing,
     )
 
 

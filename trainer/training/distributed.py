@@ -84,21 +84,3 @@ def gather_objects(obj, d: Dist) -> list:
     out = [None] * d.world_size
     dist.all_gather_object(out, obj)
     return out
-
-
-def param_checksum(model) -> torch.Tensor:
-    """A float64 fingerprint of the trainable weights, compared across ranks."""
-    with torch.no_grad():
-        parts = [
-            p.detach().double().sum() + p.detach().double().abs().sum() * 1e-3
-            for p in model.parameters()
-            if p.requires_grad
-        ]
-        return torch.stack(parts).sum().reshape(1)
-
-
-def ranks_in_sync(model, d: Dist) -> tuple[bool, list[float]]:
-    """Whether every rank holds the same trainable weights (by `param_checksum`), and the
-    fingerprints in rank order (a collective)."""
-    sums = torch.cat(gather_objects(param_checksum(model), d))
-    return bool(torch.all(sums == sums[0])), sums.tolist()

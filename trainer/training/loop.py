@@ -11,7 +11,6 @@ STOP_TIMEOUT the stop exceeded its bound.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 import uuid
@@ -25,18 +24,12 @@ from trainer import checkpoint as ckpt
 from trainer.config import RunConfig, dump_config
 from trainer.errors import ExitCode
 from trainer.events import EventWriter
-from trainer.training.distributed import (
-    Dist,
-    all_ranks,
-    any_rank,
-    gather_objects,
-    ranks_in_sync,
-    setup_dist,
-)
+from trainer.training.distributed import Dist, all_ranks, any_rank, gather_objects, setup_dist
 from trainer.training.health import RunHealth, features_finite, target_agreement
 from trainer.training.metrics import StepResult, merge_batches, step_metrics
+from trainer.training.sharding import Sharding
 from trainer.training.shutdown import StallWatchdog, StopRequest
-from trainer.training.state import local_moment_numel, make_optimizer, rng_state, seed_all, set_rng_state
+from trainer.training.state import rng_state, seed_all, set_rng_state
 
 
 # ---------------------------------------------------------------- the run
@@ -66,10 +59,9 @@ class Trainer:
         self._bf16 = d.device.type == "cuda" and cfg.train.precision in ("auto", "bfloat16")
         self.drafter = build_drafter(cfg, d.device, head_dtype=torch.bfloat16 if self._bf16 else None)
         self.n_trainable = count_trainable(self.drafter)
+        if cfg.train.activation_checkpointing:  # transformers' own, on speculators' decoder layers
+            self.drafter.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.loss_config = resolve_loss_config(cfg.train.loss, loss_implementation(d.device))
-        params = [p for p in self.drafter.parameters() if p.requires_grad]
-        self.sharded = d.enabled and cfg.train.shard_optimizer_state
-        self.optimizer, self.scheduler = make_optimizer(params, cfg, self.sharded)
         ds = open_dataset(cfg.data.path)
         stats = compute_stats(ds)
         usable = stats.usable(cfg.data.max_length)
@@ -82,15 +74,14 @@ class Trainer:
         self.sampler = PackedSampler(
             ds, usable, cfg.train.max_tokens_per_batch, cfg.train.seed, d.rank, d.world_size
         )
-        self.model = self.drafter
+        model = self.drafter
         if cfg.train.loss_chunk_rows:  # the same forward, the heads and loss over row chunks
             from trainer.training.chunked_loss import ChunkedDraftLoss
 
-            self.model = ChunkedDraftLoss(self.drafter, cfg.train.loss_chunk_rows)
-        if d.enabled:
-            from torch.nn.parallel import DistributedDataParallel as DDP
-
-            self.model = DDP(self.model, device_ids=[d.device.index] if d.device.type == "cuda" else None)
+            model = ChunkedDraftLoss(self.drafter, cfg.train.loss_chunk_rows)
+        self.sharding = Sharding(cfg, d, self._bf16)  # train.shard: DDP, DDP + ZeRO-1 or FSDP2
+        self.model = self.sharding.wrap(model, self.drafter)
+        self.optimizer, self.scheduler = self.sharding.make_optimizer(cfg)
         self.step = 0
         self.tokens = 0
         self.resumed_from: str | None = None
@@ -103,16 +94,16 @@ class Trainer:
             self.log(f"WARNING checkpoint does not verify, skipped: {p}")
         if folder is None:
             return
-        from trainer.drafter import load_trainable_weights
+        from trainer.drafter import read_trainable_weights
 
         state = ckpt.load_trainer_state(folder)
-        load_trainable_weights(self.drafter, folder / "model.safetensors")
+        weights = read_trainable_weights(self.drafter, folder / "model.safetensors")
         if not state["optimizer"].get("state"):
             raise ckpt.CheckpointError(
                 f"{folder}: optimizer state is empty: refusing a resume that restores nothing"
             )
-        # the full (consolidated) state on every rank; ZeRO-1 keeps only this rank's share of it
-        self.optimizer.load_state_dict(state["optimizer"])
+        # the full state on every rank; ZeRO-1 and FSDP keep only this rank's share of it
+        self.sharding.load_state(weights, self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.sampler.load_state_dict(
             state["sampler"][self.d.rank] if isinstance(state["sampler"], list) else state["sampler"]
@@ -124,18 +115,19 @@ class Trainer:
         self.log(f"resumed from {folder.name} (step {self.step}, {self.tokens} tokens)")
 
     def save(self, reason: str) -> None:
-        d = self.d
-        if self.sharded:  # a collective: every rank sends its shard, rank 0 gets the full state
-            self.optimizer.consolidate_state_dict(to=0)
-        moments = gather_objects(local_moment_numel(self.optimizer, self.sharded), d)
+        d, sh = self.d, self.sharding
+        # collectives: every rank sends its shards, rank 0 gets the full weights and optimizer state
+        weights, optimizer_state = sh.gather_state(self.optimizer)
+        moments = gather_objects(sh.local_moment_numel(self.optimizer), d)
         samplers = gather_objects(self.sampler.state_dict(), d)
         rngs = gather_objects(rng_state(), d)
-        in_sync, sums = ranks_in_sync(self.drafter, d)
+        sums = [float(x) for x in torch.cat(gather_objects(sh.fingerprint(), d))]
+        in_sync = all(x == sums[0] for x in sums)
         if d.is_main:
             state = {
                 "step": self.step,
                 "tokens": self.tokens,
-                "optimizer": self.optimizer.state_dict(),
+                "optimizer": optimizer_state,
                 "scheduler": self.scheduler.state_dict(),
                 "sampler": samplers if d.enabled else samplers[0],
                 "rng": rngs if d.enabled else rngs[0],
@@ -150,7 +142,13 @@ class Trainer:
                 "ranks_in_sync": in_sync,
             }
             saved = ckpt.save_checkpoint(
-                self.cfg.out_dir, self.step, self.drafter, state, meta, self.cfg.train.keep_checkpoints
+                self.cfg.out_dir,
+                self.step,
+                self.drafter,
+                state,
+                meta,
+                self.cfg.train.keep_checkpoints,
+                state_dict=weights,
             )
             self.emit(
                 "checkpoint",
@@ -162,7 +160,8 @@ class Trainer:
                 reason=reason,
                 ranks_in_sync=in_sync,
                 removed=saved.removed,
-                optimizer_sharded=self.sharded,
+                optimizer_sharded=sh.level != "none",
+                shard=sh.level,
                 moment_numel_per_rank=moments,
             )
             mib = saved.size_bytes / 2**20
@@ -193,8 +192,7 @@ class Trainer:
         micro-batches of the step). `sync` False: DDP keeps the gradient local (`no_sync`), the last
         micro-batch's backward all-reduces what was accumulated. Returns (loss, metrics) unscaled."""
         cfg = self.cfg
-        local = self.d.enabled and not sync
-        with self.model.no_sync() if local else contextlib.nullcontext():
+        with self.sharding.accumulating(local=not sync):
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self._bf16):
                 _, loss, metrics = self.model(
                     cap.aux,
@@ -220,9 +218,7 @@ class Trainer:
         """Clip, optimizer + scheduler step over the accumulated gradient. A non-finite loss/grad on
         any rank skips the update everywhere (`finite` False)."""
         cfg, d = self.cfg, self.d
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            [p for p in self.drafter.parameters() if p.requires_grad], cfg.train.grad_clip
-        )
+        grad_norm = self.sharding.clip_grad_norm(cfg.train.grad_clip)
         ok = all_ranks(torch.isfinite(loss).item() and torch.isfinite(grad_norm).item(), d)
         if ok:
             self.optimizer.step()
@@ -318,7 +314,9 @@ class Trainer:
                 "target_layers": self.source.num_layers,
                 "hidden_size": self.source.hidden_size,
                 "drafter_trainable_params": self.n_trainable,
-                "optimizer": "ZeroRedundancyOptimizer(AdamW)" if self.sharded else "AdamW",
+                "optimizer": self.sharding.description,
+                "shard": self.sharding.level,
+                "activation_checkpointing": cfg.train.activation_checkpointing,
             },
             totals={
                 "total_steps": total,
@@ -396,7 +394,7 @@ class Trainer:
         SIGABRT after a completed run, about 1 in 6 two-rank CPU runs)."""
         import gc
 
-        for name in ("model", "optimizer", "scheduler", "drafter", "source"):
+        for name in ("model", "sharding", "optimizer", "scheduler", "drafter", "source"):
             self.__dict__.pop(name, None)
         gc.collect()
 

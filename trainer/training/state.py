@@ -1,6 +1,6 @@
-"""The run state besides the weights: the optimizer (AdamW, ZeRO-1 sharded over the ranks or
-whole) with its learning-rate schedule, and the RNG states (seeded, saved, restored for an exact
-resume)."""
+"""The run state besides the weights: the optimizer (AdamW; ZeRO-1 sharded over the ranks, whole, or
+over FSDP's sharded parameters: sharding.py) with its learning-rate schedule, and the RNG states
+(seeded, saved, restored for an exact resume)."""
 
 from __future__ import annotations
 
@@ -53,22 +53,14 @@ def lr_lambda(cfg: RunConfig):
     return f
 
 
-def make_optimizer(params: list[torch.nn.Parameter], cfg: RunConfig, sharded: bool):
-    """(optimizer, scheduler): AdamW over `params` with the `lr_lambda` schedule. `sharded`: ZeRO-1
+def make_optimizer(params: list[torch.nn.Parameter], cfg: RunConfig, zero: bool):
+    """(optimizer, scheduler): AdamW over `params` with the `lr_lambda` schedule. `zero`: ZeRO-1
     (torch's ZeroRedundancyOptimizer), each rank keeps the moments of its share of the parameters."""
     adamw = {"lr": cfg.train.lr, "betas": cfg.train.betas, "weight_decay": cfg.train.weight_decay}
-    if sharded:
+    if zero:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         optimizer = ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, **adamw)
     else:
         optimizer = torch.optim.AdamW(params, **adamw)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
-
-
-def local_moment_numel(optimizer, sharded: bool) -> int:
-    """Elements of the Adam moments (exp_avg + exp_avg_sq) this rank holds."""
-    local = optimizer.optim if sharded else optimizer
-    return sum(
-        v.numel() for st in local.state.values() for k, v in st.items() if k in ("exp_avg", "exp_avg_sq")
-    )
