@@ -1,16 +1,23 @@
 #!/usr/bin/env python3
-"""The drafter step's memory, measured beside the memory model's prediction (not a CI test).
+"""The trainer's memory, measured beside the memory model's prediction (not a CI test).
 
-Each configuration runs in a fresh process: a tiny random Qwen3 target with a large vocabulary (so the
-`[anchors x block, vocab]` logits matter, as they do for a 248K-vocabulary target), the trainer's own
-`Trainer` (build, then 2 real steps: capture, drafter forward/backward, AdamW). Measured: the peak RSS
-growth over the steps (`ru_maxrss` after them minus the RSS before the first; the gradients and
-AdamW's moments are made by the first step, so they count). Predicted: the same parts of
-trainer/layout/sizing.py for the same shapes on CPU (fp32, eager loss): gradients + moments +
-activations + logits. Printed per configuration with measured/predicted, and the saving of
-`train.loss_chunk_rows` as the ratio of the measured peaks, side by side in one run.
+Each configuration runs in fresh processes (2 gloo ranks under torchrun where it says so) with the
+trainer's own `Trainer` (build, then 2 real steps: capture, drafter forward/backward, AdamW) on a tiny
+random Qwen3 target built on the spot. Two shapes:
 
-    .venv/bin/python bench/memory.py [--vocab 65536] [--tokens 2048] [--anchors 256] [--chunk 256]
+- `vocab`: a large vocabulary (65536) and a one-layer drafter of width 64, so the
+  `[anchors x block, vocab]` logits dominate: unchunked vs `train.loss_chunk_rows`;
+- `layers`: a four-layer drafter of width 1024 and a small vocabulary, so the drafter's weights,
+  gradients, moments and activations dominate: `train.shard` none / optimizer / full over 2 ranks,
+  and `train.activation_checkpointing` off / on.
+
+Measured, per rank: the peak RSS (`ru_maxrss`) minus the RSS just before `build()` (imports and the
+process group already made), the largest over the ranks. Predicted: the sum of every part of
+trainer/layout/sizing.py (target weights, drafter, optimizer, activations, logits) for the same shapes
+on CPU (fp32, eager loss) and the same world size. Printed per configuration with measured/predicted,
+then each option's saving as the ratio of the measured peaks, side by side in one run.
+
+    .venv/bin/python bench/memory.py [--only vocab|layers]
 """
 
 from __future__ import annotations
@@ -30,13 +37,34 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 MIB = 2**20
+SHAPES = {
+    "vocab": {"vocab": 65536, "hidden": 64, "draft_layers": 1, "tokens": 2048, "anchors": 256, "block": 8},
+    "layers": {"vocab": 2048, "hidden": 1024, "draft_layers": 4, "tokens": 256, "anchors": 32, "block": 8},
+}
+# (name, shape, ranks, train overrides)
+CONFIGS = [
+    ("unchunked", "vocab", 1, {}),
+    ("loss_chunk_rows 256", "vocab", 1, {"loss_chunk_rows": 256}),
+    ("shard none, 2 ranks", "layers", 2, {"shard": "none"}),
+    ("shard optimizer, 2 ranks", "layers", 2, {"shard": "optimizer"}),
+    ("shard full, 2 ranks", "layers", 2, {"shard": "full"}),
+    ("1 rank", "layers", 1, {}),
+    ("activation checkpointing", "layers", 1, {"activation_checkpointing": True}),
+]
+SAVINGS = [
+    ("train.loss_chunk_rows 256", "unchunked", "loss_chunk_rows 256"),
+    ("train.shard optimizer vs none", "shard none, 2 ranks", "shard optimizer, 2 ranks"),
+    ("train.shard full vs none", "shard none, 2 ranks", "shard full, 2 ranks"),
+    ("train.activation_checkpointing", "1 rank", "activation checkpointing"),
+]
 
 
-def child(args) -> dict:
+def child(args) -> None:
     import psutil
     import torch
     from online_overhead import make_dataset
 
+    import trainer.drafter  # noqa: F401  (imports before the baseline)
     from trainer.config import config_from_dict
     from trainer.demo.synth import tiny_target
     from trainer.events import EventWriter
@@ -45,89 +73,113 @@ def child(args) -> dict:
     from trainer.training.distributed import setup_dist
     from trainer.training.loop import Trainer
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(1)
+    shape = SHAPES[args.shape]
     work = Path(args.work)
-    target = tiny_target(work / "target", num_layers=4, hidden=64, vocab=args.vocab)
-    data = make_dataset(work / "data", args.vocab, args.tokens)
+    rank = int(os.environ.get("RANK", "0"))
+    target = work / "target"
+    if rank == 0:
+        tiny_target(work / "target.tmp", num_layers=4, hidden=shape["hidden"], vocab=shape["vocab"])
+        make_dataset(work / "data.tmp", shape["vocab"], shape["tokens"])
+        os.replace(work / "target.tmp", target)
+        os.replace(work / "data.tmp", work / "data")
     cfg = config_from_dict(
         {
             "target": {"path": str(target)},
-            "data": {"path": str(data), "max_length": args.tokens},
+            "data": {"path": str(work / "data"), "max_length": shape["tokens"]},
             "drafter": {
-                "num_layers": 1,
-                "block_size": args.block,
+                "num_layers": shape["draft_layers"],
+                "block_size": shape["block"],
                 "aux_layer_ids": [1, 3],
                 "mask_token_id": 5,
             },
             "train": {
                 "max_steps": 100,
-                "max_tokens_per_batch": args.tokens,
-                "max_anchors": args.anchors,
-                "loss_chunk_rows": args.loss_chunk_rows,
+                "max_tokens_per_batch": shape["tokens"],
+                "max_anchors": shape["anchors"],
+                **json.loads(args.train),
             },
             "out_dir": str(work / "out"),
         },
         work,
     )
-    tr = Trainer(cfg, setup_dist(cfg), EventWriter(work / "out", "bench", enabled=False))
-    tr.build()
+    import torch.distributed as dist
+
+    d = setup_dist(cfg)
+    if d.enabled:
+        dist.barrier()  # rank 0 has written the target and the data
     base = psutil.Process().memory_info().rss
+    tr = Trainer(cfg, d, EventWriter(work / "out", "bench", enabled=False))
+    tr.build()
     for _ in range(2):
         tr.train_step()
         tr.step += 1
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-    parts = estimate_memory(cfg, TargetInfo.from_folder(target), cuda=False, world_size=1)
-    p = tr.n_trainable
-    predicted = {
-        "gradients": p * 4,
-        "optimizer": parts["drafter_optimizer"],
-        "activations": parts["activations"],
-        "logits": parts["logits"],
-    }
-    return {"measured": peak - base, "predicted": sum(predicted.values()), "parts": predicted}
+    parts = estimate_memory(cfg, TargetInfo.from_folder(target), cuda=False, world_size=d.world_size)
+    row = {"rank": d.rank, "measured": peak - base, "predicted": sum(parts.values()), "parts": parts}
+    with open(work / f"rank{d.rank}.json", "w") as fh:
+        json.dump(row, fh)
+    tr.close()
+    if d.enabled:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def run_config(shape: str, ranks: int, train: dict) -> dict:
+    with tempfile.TemporaryDirectory() as work:
+        me = [__file__, "--child", "--work", work, "--shape", shape, "--train", json.dumps(train)]
+        if ranks == 1:
+            cmd = [sys.executable, *me]
+        else:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+            cmd += ["--nproc-per-node", str(ranks), *me]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        res = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+        if res.returncode != 0:
+            tail = res.stdout[-2000:] + res.stderr[-4000:]
+            raise SystemExit(f"{shape} {train}: exit {res.returncode}\n{tail}")
+        rows = [json.loads(p.read_text()) for p in sorted(Path(work).glob("rank*.json"))]
+    return max(rows, key=lambda r: r["measured"])
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--vocab", type=int, default=65536)
-    ap.add_argument("--tokens", type=int, default=2048)
-    ap.add_argument("--anchors", type=int, default=256)
-    ap.add_argument("--block", type=int, default=8)
-    ap.add_argument("--chunk", type=int, default=256, help="the chunked configuration's loss_chunk_rows")
+    ap.add_argument("--only", choices=sorted(SHAPES), help="run only this shape's configurations")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--loss-chunk-rows", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--work", help=argparse.SUPPRESS)
+    ap.add_argument("--shape", help=argparse.SUPPRESS)
+    ap.add_argument("--train", default="{}", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(child(args)))
+        child(args)
         return 0
+    for name, s in SHAPES.items():
+        if args.only in (None, name):
+            print(
+                f"shape {name}: vocab {s['vocab']}, drafter width {s['hidden']} x {s['draft_layers']} "
+                f"layers, {s['tokens']} tokens, {s['anchors']} anchors x block {s['block']}"
+            )
+    print(
+        f"{'configuration':28} {'shape':7} {'measured MiB':>13} {'predicted MiB':>14} {'meas/pred':>10}"
+        "   largest predicted parts (MiB)"
+    )
     rows = {}
-    for chunk in (0, args.chunk):
-        with tempfile.TemporaryDirectory() as work:
-            cmd = [sys.executable, __file__, "--child", "--work", work, "--loss-chunk-rows", str(chunk)]
-            cmd += [f"--{k}={getattr(args, k)}" for k in ("vocab", "tokens", "anchors", "block")]
-            out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-            rows[chunk] = json.loads(out.strip().splitlines()[-1])
-    q = args.anchors * args.block
-    print(
-        f"vocab {args.vocab}, {args.tokens} tokens, {args.anchors} anchors x block {args.block} "
-        f"= {q} query rows"
-    )
-    print(
-        f"{'configuration':24} {'measured MiB':>13} {'predicted MiB':>14} {'meas/pred':>10}"
-        "   predicted parts (MiB)"
-    )
-    for chunk, r in rows.items():
-        name = "unchunked" if chunk == 0 else f"loss_chunk_rows {chunk}"
-        parts = ", ".join(f"{k} {v / MIB:.0f}" for k, v in r["parts"].items())
+    for name, shape, ranks, train in CONFIGS:
+        if args.only not in (None, shape):
+            continue
+        r = rows[name] = run_config(shape, ranks, train)
+        big = sorted(((k, v) for k, v in r["parts"].items() if v), key=lambda kv: -kv[1])[:4]
         print(
-            f"{name:24} {r['measured'] / MIB:13.0f} {r['predicted'] / MIB:14.0f} "
-            f"{r['measured'] / r['predicted']:10.2f}   {parts}"
+            f"{name:28} {shape:7} {r['measured'] / MIB:13.0f} {r['predicted'] / MIB:14.0f} "
+            f"{r['measured'] / r['predicted']:10.2f}   " + ", ".join(f"{k} {v / MIB:.0f}" for k, v in big),
+            flush=True,
         )
-    saving = rows[0]["measured"] / rows[args.chunk]["measured"]
-    print(
-        f"\nchunked loss: the step's peak growth is {saving:.2f}x smaller (measured, same shapes, same run)"
-    )
+    print()
+    for label, before, after in SAVINGS:
+        if before in rows and after in rows:
+            m = rows[before]["measured"] / rows[after]["measured"]
+            p = rows[before]["predicted"] / rows[after]["predicted"]
+            print(f"{label:32} peak {m:.2f}x smaller measured, {p:.2f}x predicted (same shapes, same run)")
     return 0
 
 
