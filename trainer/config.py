@@ -120,6 +120,12 @@ class TrainConfig(_Section):
         "(torch fully_shard): trainable weights, gradients and moments sharded, each draft layer gathered "
         "only while it runs. Checkpoints hold the full state in one format whatever the level",
     )
+    share_target_embedding: bool = Field(
+        True,
+        description="the drafter's noise embedding read from the in-process target's own embedding "
+        "instead of a second fp32 copy (vocab x hidden x 4 B per rank); checked equal at the start, "
+        "kept as a copy (and said in run_start) when it is not",
+    )
     activation_checkpointing: bool = Field(
         False,
         description="keep only each draft layer's input in the forward and recompute the layer in the "

@@ -109,6 +109,48 @@ def share_frozen_head(model) -> bool:
     return True
 
 
+class TargetEmbedding(torch.nn.Module):
+    """The drafter's frozen input embedding read from the co-located target's own tensor (its
+    output cast to the drafter's dtype): no second vocab x hidden copy. The tensor is not a
+    parameter or buffer of the drafter (the target owns it), so nothing saves, moves, shards or
+    reduces it through the drafter; `weight` still answers for code that reads it."""
+
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype):
+        super().__init__()
+        self._target_weight = (weight,)  # a tuple: not registered by nn.Module
+        self.out_dtype = dtype
+        self.num_embeddings, self.embedding_dim = weight.shape
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self._target_weight[0]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.embedding(ids, self.weight).to(self.out_dtype)
+
+
+def share_target_embedding(model, weight: torch.Tensor | None, rows: int = 4096) -> str | None:
+    """Replace the drafter's fp32 copy of the target's embedding by the target's own tensor when
+    every value is equal once upcast (a bf16 target's embedding upcasts exactly: the lookups are
+    bit-identical). Returns None when shared, else why not (the copy is kept)."""
+    if weight is None:
+        return "the target is not in this process"
+    own = model.embed_tokens.weight
+    if tuple(own.shape) != tuple(weight.shape) or own.device != weight.device:
+        return f"the target's embedding is {tuple(weight.shape)} on {weight.device}, the drafter's " + (
+            f"{tuple(own.shape)} on {own.device}"
+        )
+    with torch.no_grad():
+        for s in range(0, own.shape[0], rows):
+            if not torch.equal(own[s : s + rows], weight[s : s + rows].to(own.dtype)):
+                return (
+                    f"the target's embedding ({weight.dtype}) differs from the drafter's copy from row "
+                    f"{s} (the target loaded in another dtype than its weights?)"
+                )
+    model.embed_tokens = TargetEmbedding(weight, own.dtype)
+    return None
+
+
 def trainable_state(model) -> dict[str, torch.Tensor]:
     return {n: p for n, p in model.named_parameters() if p.requires_grad}
 

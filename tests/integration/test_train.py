@@ -1,5 +1,5 @@
 """`dflash train` end to end on a tiny real Qwen3 target (CPU): loss falls on target-generated data,
-exact resume after kill -9, SIGTERM -> final checkpoint, 2-process gloo DDP, speculators reload,
+exact resume after kill -9, SIGTERM -> final checkpoint, speculators reload (2 ranks: test_train_ranks.py),
 a corrupt newest checkpoint is reported and skipped."""
 
 from __future__ import annotations
@@ -95,6 +95,37 @@ def test_checkpoint_reloads_in_speculators(tmp_path, tiny_target, tiny_data):
     state = model.state_dict()
     assert saved and all(torch.equal(state[k], v) for k, v in saved.items())
     assert "optimizer" not in json.dumps(json.loads((folder / "config.json").read_text()))
+    config = json.loads((folder / "config.json").read_text())
+    assert config.get("dtype", config.get("torch_dtype")) == "float32", (
+        "the drafter's dtype, not the target's"
+    )
+
+
+def test_the_drafter_reads_the_targets_embedding_and_trains_what_its_own_copy_trains(
+    tmp_path, tiny_target, tiny_data
+):
+    """train.share_target_embedding (default): the drafter's noise embedding is the in-process
+    target's own tensor (no second vocab x hidden copy); the run ends with bit-identical weights to
+    the same run with the drafter's own fp32 copy."""
+    shared = cfg_file(tmp_path, tiny_target, tiny_data, name="shared", max_steps=4, checkpoint_every=4)
+    own = cfg_file(
+        tmp_path,
+        tiny_target,
+        tiny_data,
+        name="own",
+        max_steps=4,
+        checkpoint_every=4,
+        share_target_embedding=False,
+    )
+    for cfg in (shared, own):
+        res = run_train(cfg)
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    layout = events_of(tmp_path / "shared", "run_start")[0]["layout"]
+    assert layout["embedding_shared_with_target"] and layout["embedding_not_shared_because"] is None
+    off = events_of(tmp_path / "own", "run_start")[0]["layout"]
+    assert not off["embedding_shared_with_target"] and "false" in off["embedding_not_shared_because"]
+    a, b = final_weights(tmp_path / "shared"), final_weights(tmp_path / "own")
+    assert a.keys() == b.keys() and [k for k in a if not torch.equal(a[k], b[k])] == []
 
 
 def test_exact_resume_after_kill_9(tmp_path, tiny_target, tiny_data):
@@ -269,161 +300,6 @@ def test_corrupt_newest_checkpoint_is_reported_and_previous_used(tmp_path, tiny_
     warns = [w for w in events_of(out, "warning") if w["kind"] == "corrupt_checkpoint"]
     assert warns and "step-00000008/model.safetensors: sha256 differs" in warns[0]["message"]
     assert events_of(out, "run_start")[-1]["resumed_from"] == "step-00000004"
-
-
-def test_two_process_gloo_ddp_keeps_ranks_identical_and_equals_one_process_accumulating(
-    tmp_path, tiny_target, tiny_data
-):
-    """The DDP run is checked against an independent computation, not only the trainer's own sync flag:
-    one process accumulating 2 micro-batches per step (train.grad_accum_steps) sees the same packed
-    batches per step as 2 ranks of 1 (the sampler's shared stream) and must end with bit-identical weights
-    and equal step losses (2 ranks: the all-reduce's sum and the accumulation's add the same two
-    halves); one process without accumulation (half the global batch) is the control. The same
-    1-process run with train.loss_chunk_rows 7 ends where the unchunked one does (to rounding). Every
-    valid anchor is taken (max_anchors above the supervised positions), so no RNG draw differs."""
-    common = {"max_steps": 6, "checkpoint_every": 3, "max_anchors": 512}
-    cfg = cfg_file(tmp_path, tiny_target, tiny_data, **common)
-    res = run_torchrun(cfg)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    out = tmp_path / "run"
-    assert events_of(out, "run_start")[0]["layout"]["world_size"] == 2
-    ck = events_of(out, "checkpoint")
-    assert [c["step"] for c in ck] == [3, 6] and all(c["ranks_in_sync"] for c in ck)
-    steps = events_of(out, "step")
-    assert len(steps) == 6, "only rank 0 writes the stream"
-    assert steps[0]["batch_tokens"] > 256, "tokens are summed over both ranks"
-    for name, extra in (
-        ("accum", {"grad_accum_steps": 2}),
-        ("half", {}),
-        ("chunked", {"loss_chunk_rows": 7}),
-    ):
-        one = cfg_file(tmp_path, tiny_target, tiny_data, name=name, **extra, **common)
-        r = run_train(one)
-        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    acc_steps = events_of(tmp_path / "accum", "step")
-    assert [s["batch_tokens"] for s in acc_steps] == [s["batch_tokens"] for s in steps]
-    assert events_of(tmp_path / "accum", "run_start")[0]["totals"]["max_tokens_per_step"] == 512
-    # the loss and the gradient's norm before clipping (clipping and Adam would hide a mis-scaled sum)
-    assert [(s["loss"], s["grad_norm"]) for s in acc_steps] == [(s["loss"], s["grad_norm"]) for s in steps]
-    ddp, acc, half = (final_weights(tmp_path / n) for n in ("run", "accum", "half"))
-    differ = [k for k in ddp if not torch.equal(ddp[k], acc[k])]
-    assert not differ, f"2 ranks vs 1 process accumulating: {differ} differ (2 ranks reduce exactly)"
-    control = sum(float((ddp[k] - half[k]).double().norm()) for k in ddp)
-    assert control > 1e-2, f"the half-batch control differs too little ({control:.3g}) to show anything"
-    # train.loss_chunk_rows: the same run as "half" with the heads and loss over 7-row chunks
-    chunked = final_weights(tmp_path / "chunked")
-    off = sum(float((chunked[k] - half[k]).double().norm()) for k in half)
-    assert off < 1e-3 * control, (
-        f"chunked vs unchunked loss: {off:.3g} (the half-batch control: {control:.3g})"
-    )
-    c_steps, h_steps = events_of(tmp_path / "chunked", "step"), events_of(tmp_path / "half", "step")
-    assert [s["eal"] for s in c_steps] == [s["eal"] for s in h_steps]
-
-
-def run_torchrun(cfg: Path, timeout=400, module: str = "trainer.cli") -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            "-m",
-            module,
-            "train",
-            "--config",
-            str(cfg),
-        ],
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
-
-
-def test_a_rank_that_diverges_stops_the_run_loudly(tmp_path, tiny_target, tiny_data):
-    """The fingerprint check is not only the trainer's word: rank 1 drifts on purpose (one weight
-    nudged by 1e-3 before the step-3 checkpoint, tests/integration/diverging_rank.py) and the run must
-    fail at that checkpoint, say so in the stream and on stderr, and not train on."""
-    cfg = cfg_file(tmp_path, tiny_target, tiny_data, max_steps=6, checkpoint_every=3)
-    res = run_torchrun(cfg, module="tests.integration.diverging_rank")
-    assert res.returncode != 0, "a diverged rank must not end in success"
-    assert "ranks diverged: weight checksums" in res.stdout + res.stderr
-    out = tmp_path / "run"
-    ck = events_of(out, "checkpoint")
-    assert [(c["step"], c["ranks_in_sync"]) for c in ck] == [(3, False)]
-    end = events_of(out, "run_end")[-1]
-    assert end["status"] == "failed" and end["step"] == 3 and "ranks diverged" in end["error"]
-    assert not [e for e in events_of(out, "step") if e["step"] > 3], "no step after the divergence"
-
-
-def test_zero1_shards_adam_moments_and_resumes_exactly(tmp_path, tiny_target, tiny_data):
-    """train.shard optimizer (default): each of 2 gloo ranks holds about half the Adam moments
-    (counted on the rank's own optimizer), the checkpoint holds the full state, and a resume from it
-    continues exactly like the uninterrupted run; plain AdamW on both ranks trains the same weights."""
-    import shutil
-
-    ref = cfg_file(tmp_path, tiny_target, tiny_data, name="ref", max_steps=6, checkpoint_every=3)
-    res = run_torchrun(ref)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    out = tmp_path / "ref"
-    start = events_of(out, "run_start")[0]
-    assert start["layout"]["optimizer"] == "ZeroRedundancyOptimizer(AdamW)"
-    total = 2 * start["layout"]["drafter_trainable_params"]  # exp_avg + exp_avg_sq
-    for c in events_of(out, "checkpoint"):
-        per_rank = c["moment_numel_per_rank"]
-        assert c["optimizer_sharded"] and sum(per_rank) == total and len(per_rank) == 2
-        assert all(0.25 * total < n < 0.75 * total for n in per_rank), per_rank
-    state = torch.load(read_latest(out) / "trainer_state.pt", map_location="cpu", weights_only=False)
-    saved = sum(
-        v.numel()
-        for st in state["optimizer"]["state"].values()
-        for k, v in st.items()
-        if k in ("exp_avg", "exp_avg_sq")
-    )
-    assert saved == total, "the checkpoint holds the consolidated (full) optimizer state"
-
-    resumed = tmp_path / "resumed"  # only ref's step-3 checkpoint: the run resumes there
-    (resumed / "checkpoints").mkdir(parents=True)
-    shutil.copytree(out / "checkpoints" / "step-00000003", resumed / "checkpoints" / "step-00000003")
-    (resumed / "checkpoints" / "latest").write_text("step-00000003\n")
-    res = run_torchrun(
-        write_config(
-            tmp_path / "resumed.yaml",
-            tiny_target,
-            tiny_data,
-            resumed,
-            train={**FAST, "max_steps": 6, "checkpoint_every": 3},
-        )
-    )
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    assert events_of(resumed, "run_start")[-1]["resumed_from"] == "step-00000003"
-    ref_loss = {s["step"]: s["loss"] for s in events_of(out, "step")}
-    assert {s["step"]: s["loss"] for s in events_of(resumed, "step")} == {k: ref_loss[k] for k in (4, 5, 6)}
-    a, b = final_weights(out), final_weights(resumed)
-    assert [k for k in a if not torch.equal(a[k], b[k])] == [], (
-        "resumed ZeRO run differs from the uninterrupted one"
-    )
-
-    plain = cfg_file(
-        tmp_path,
-        tiny_target,
-        tiny_data,
-        name="plain",
-        max_steps=6,
-        checkpoint_every=3,
-        shard="none",
-    )
-    res = run_torchrun(plain)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    ck = events_of(tmp_path / "plain", "checkpoint")[-1]
-    assert not ck["optimizer_sharded"] and ck["moment_numel_per_rank"] == [total, total]
-    assert events_of(tmp_path / "plain", "run_start")[0]["layout"]["optimizer"] == "AdamW"
-    c = final_weights(tmp_path / "plain")
-    for k in a:
-        torch.testing.assert_close(a[k], c[k], rtol=1e-5, atol=1e-6)
 
 
 def _broken_target(tmp_path, tiny_target, value: float) -> Path:

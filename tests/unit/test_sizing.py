@@ -89,11 +89,16 @@ def test_chunked_loss_keeps_one_chunk_of_logits():
 
 
 def test_frozen_is_fp32_embed_plus_one_shared_head_bf16_under_autocast():
+    own = {"share_embedding": False}  # train.share_target_embedding false: the drafter's own fp32 copy
     assert S.drafter_frozen == 2 * 248320 * 5120 + 5120
-    assert parts(device="cpu")["drafter_frozen"] == S.drafter_frozen * 4
-    assert parts()["drafter_frozen"] == (248320 * 5120 + 5120) * 4 + 248320 * 5120 * 2
-    fp32_cuda = parts(activation_bytes=4)  # train.precision float32 on CUDA: no autocast, fp32 head
+    assert parts(device="cpu", **own)["drafter_frozen"] == S.drafter_frozen * 4
+    assert parts(**own)["drafter_frozen"] == (248320 * 5120 + 5120) * 4 + 248320 * 5120 * 2
+    fp32_cuda = parts(activation_bytes=4, **own)  # train.precision float32 on CUDA: no autocast, fp32 head
     assert fp32_cuda["drafter_frozen"] == S.drafter_frozen * 4
+    # shared (the default): the embedding is the target's, already in target_weights
+    assert parts()["drafter_frozen"] == 5120 * 4 + 248320 * 5120 * 2
+    assert parts(**own)["drafter_frozen"] - parts()["drafter_frozen"] == 248320 * 5120 * 4
+    assert parts()["target_weights"] == parts(**own)["target_weights"]
 
 
 def test_target_weights_split_over_the_copy():

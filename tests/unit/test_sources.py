@@ -91,3 +91,29 @@ def test_layerwise_split_assignment_and_equal_capture(tiny_target):
 def test_aux_id_outside_depth_is_refused(tiny_target):
     with pytest.raises(ValueError, match="outside the target's depth"):
         HookedTransformersSource(tiny_target, [1, 9])
+
+
+def test_the_drafter_shares_the_targets_embedding_only_when_it_is_equal(tiny_target, make_config):
+    """train.share_target_embedding: the in-process target's embedding replaces the drafter's fp32
+    copy (no parameter left, the same lookups, the target's aux-0 hook not fired by the drafter); a
+    target whose embedding differs (loaded in fp16 here) is refused with the reason, the copy kept."""
+    from trainer.config import load_config
+    from trainer.drafter import build_drafter, share_target_embedding
+
+    cfg = load_config(make_config(drafter={"aux_layer_ids": [1, 2], "mask_token_id": 3}), [])
+    src = HookedTransformersSource(tiny_target, [0, 2])
+    model = build_drafter(cfg, torch.device("cpu"))
+    own = model.embed_tokens.weight.detach().clone()
+    assert share_target_embedding(model, src.embedding_weight) is None
+    assert model.embed_tokens.weight is src.embedding_weight
+    assert "embed_tokens.weight" not in dict(model.named_parameters())
+    ids = torch.tensor([[3, 7, 499]])
+    out = model.embed_tokens(ids)
+    assert out.dtype == torch.float32 and torch.equal(out, own[ids]) and not src._store
+
+    fp16 = HookedTransformersSource(tiny_target, [2], dtype="float16")
+    other = build_drafter(cfg, torch.device("cpu"))
+    why = share_target_embedding(other, fp16.embedding_weight)
+    assert why is not None and "differs from the drafter's copy from row 0" in why
+    assert "embed_tokens.weight" in dict(other.named_parameters())
+    assert share_target_embedding(other, None) == "the target is not in this process"

@@ -70,6 +70,7 @@ ASSUMPTIONS = {
     "memory_model": "trainer/layout/sizing.py",
     **SIZING_ASSUMPTIONS,
     "shard_auto_order": ["optimizer", "full"],  # --shard auto: the lightest level that fits
+    "share_target_embedding": True,  # train.share_target_embedding's default: the drafter reads the copy's
     "mfu": 0.35,  # model FLOPs utilisation of the target forward (bf16)
     "drafter_compute_share": 0.25,  # drafter forward+backward time relative to the target forward
 }
@@ -214,6 +215,7 @@ def per_gpu_bytes(t: TargetShape, n: int, dp: int, r: Recipe, shard: str) -> dic
         shard=shard,
         loss_chunk_rows=r.loss_chunk_rows,
         activation_checkpointing=r.activation_checkpointing,
+        share_embedding=ASSUMPTIONS["share_target_embedding"],
     )
 
 

@@ -19,10 +19,12 @@ What the trainer holds (loop.py + speculators' DFlashDraftModel, read from their
   step, one draft layer gathered and the next prefetched, in the compute dtype (bf16 on CUDA), and one
   group's unsharded gradient before its fp32 reduce-scatter; no autocast copies (the gathered weights
   already are bf16);
-- the drafter's frozen tensors: embed_tokens (vocab x hidden) and verifier_norm in fp32 (the drafter
-  is built in fp32), and one vocab x hidden head shared by lm_head and verifier_lm_head (full
-  vocabulary: both hold the target's lm_head), fp32 on CPU and bf16 under bf16 autocast, where
-  autocast would cast it to bf16 for every matmul anyway (trainer/drafter.py cast_frozen_heads);
+- the drafter's frozen tensors: embed_tokens (vocab x hidden, fp32: the drafter is built in fp32;
+  none with `train.share_target_embedding`, the default, where the drafter reads the in-process
+  target's own embedding, counted in target_weights) and verifier_norm in fp32, and one vocab x
+  hidden head shared by lm_head and verifier_lm_head (full vocabulary: both hold the target's
+  lm_head), fp32 on CPU and bf16 under bf16 autocast, where autocast would cast it to bf16 for every
+  matmul anyway (trainer/drafter.py cast_frozen_heads);
 - activations: the captured aux states (n_aux x tokens x hidden) and last hidden state, fc output,
   and per drafter layer `activation_copies` tensors of width hidden over context + query tokens
   plus the MLP's three intermediate-width tensors over the query tokens (query = anchors x block);
@@ -59,7 +61,8 @@ ASSUMPTIONS: dict[str, Any] = {
     },
     "fsdp_gathered_layers": 2,  # the running draft layer and the prefetched next one
     "frozen": (
-        "embed_tokens + verifier_norm fp32; one head shared by lm_head/verifier_lm_head, "
+        "embed_tokens fp32 unless shared with the in-process target (train.share_target_embedding), "
+        "verifier_norm fp32; one head shared by lm_head/verifier_lm_head, "
         "bf16 under bf16 autocast (CUDA), else fp32"
     ),
     "activation_copies": 4,  # saved tensors of width hidden per token and drafter layer
@@ -119,6 +122,7 @@ def per_device_bytes(
     activation_bytes: int | None = None,
     loss_chunk_rows: int = 0,
     activation_checkpointing: bool = False,
+    share_embedding: bool = True,
 ) -> dict[str, float]:
     """Bytes on the first GPU of a target copy (or in host RAM for device="cpu"), by part.
 
@@ -162,7 +166,10 @@ def per_device_bytes(
         "drafter_trainable": trainable,
         "drafter_gathered": gathered,
         "drafter_optimizer": p * a["adam_moment_bytes_per_param"] / moment_shards,
-        "drafter_frozen": (s.vocab * s.hidden + s.hidden) * 4 + s.vocab * s.hidden * head_bytes,
+        # train.share_target_embedding: the in-process target's embedding serves the drafter too
+        "drafter_frozen": (0 if share_embedding else s.vocab * s.hidden * 4)
+        + s.hidden * 4
+        + s.vocab * s.hidden * head_bytes,
         "activations": (
             (s.n_aux + 1) * tokens * s.hidden * s.target_dtype_bytes  # captured aux + last
             + 2 * tokens * s.hidden * act  # fc output, hidden_norm

@@ -96,6 +96,7 @@ def estimate_memory(
         activation_bytes=act_bytes,
         loss_chunk_rows=t.loss_chunk_rows,
         activation_checkpointing=t.activation_checkpointing,
+        share_embedding=t.share_target_embedding,
     )
 
 

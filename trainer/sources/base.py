@@ -29,6 +29,12 @@ class HiddenStateSource(Protocol):
         document) and return its features. Never computes the target's lm_head."""
         ...
 
+    @property
+    def embedding_weight(self) -> torch.Tensor | None:
+        """The target's input embedding when this process holds it (an in-process copy, on the
+        drafter's device), else None: the drafter can then use it instead of its own copy."""
+        ...
+
 
 def make_source(cfg: RunConfig, device: torch.device, devices: list[torch.device] | None = None):
     """The source a run config asks for (only the in-process hooked target so far)."""

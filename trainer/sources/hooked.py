@@ -108,6 +108,11 @@ class HookedTransformersSource:
         self._store: dict[int | str, torch.Tensor] = {}
         self._install_hooks()
 
+    @property
+    def embedding_weight(self) -> torch.Tensor:
+        """The target's input embedding (on the first device, where the drafter runs)."""
+        return self.model.embed_tokens.weight
+
     # ------------------------------------------------------------------ placement
     def _place(self) -> None:
         layer_dev = layerwise_assignment(self.num_layers, len(self.devices))

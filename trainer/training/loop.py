@@ -50,7 +50,12 @@ class Trainer:
         from speculators.losses import resolve_loss_config
 
         from trainer.data import PackedSampler, compute_stats, open_dataset
-        from trainer.drafter import build_drafter, count_trainable, loss_implementation
+        from trainer.drafter import (
+            build_drafter,
+            count_trainable,
+            loss_implementation,
+            share_target_embedding,
+        )
         from trainer.sources import make_source
 
         cfg, d = self.cfg, self.d
@@ -59,6 +64,9 @@ class Trainer:
         self._bf16 = d.device.type == "cuda" and cfg.train.precision in ("auto", "bfloat16")
         self.drafter = build_drafter(cfg, d.device, head_dtype=torch.bfloat16 if self._bf16 else None)
         self.n_trainable = count_trainable(self.drafter)
+        self.embedding_not_shared = "train.share_target_embedding is false"
+        if cfg.train.share_target_embedding:  # one vocab x hidden tensor for the target and the drafter
+            self.embedding_not_shared = share_target_embedding(self.drafter, self.source.embedding_weight)
         if cfg.train.activation_checkpointing:  # transformers' own, on speculators' decoder layers
             self.drafter.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.loss_config = resolve_loss_config(cfg.train.loss, loss_implementation(d.device))
@@ -317,6 +325,8 @@ class Trainer:
                 "optimizer": self.sharding.description,
                 "shard": self.sharding.level,
                 "activation_checkpointing": cfg.train.activation_checkpointing,
+                "embedding_shared_with_target": self.embedding_not_shared is None,
+                "embedding_not_shared_because": self.embedding_not_shared,
             },
             totals={
                 "total_steps": total,

@@ -1,0 +1,296 @@
+"""Training over 2 gloo ranks (CPU), checked against independent computations: DDP equals one process
+accumulating the same global batch, a rank that drifts fails the run, ZeRO-1 shards the moments and
+resumes exactly; `train.shard: full` (FSDP2) computes what DDP computes, resumes bit-identically after
+kill -9 of the whole torchrun group and writes checkpoints speculators reloads; activation
+checkpointing changes nothing but memory."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import wait_for, write_config
+from tests.integration.test_train import ENV, FAST, cfg_file, events_of, final_weights, run_train
+from trainer.checkpoint import read_latest
+
+pytestmark = pytest.mark.slow
+
+
+def test_two_process_gloo_ddp_keeps_ranks_identical_and_equals_one_process_accumulating(
+    tmp_path, tiny_target, tiny_data
+):
+    """The DDP run is checked against an independent computation, not only the trainer's own sync flag:
+    one process accumulating 2 micro-batches per step (train.grad_accum_steps) sees the same packed
+    batches per step as 2 ranks of 1 (the sampler's shared stream) and must end with bit-identical weights
+    and equal step losses (2 ranks: the all-reduce's sum and the accumulation's add the same two
+    halves); one process without accumulation (half the global batch) is the control. The same
+    1-process run with train.loss_chunk_rows 7 ends where the unchunked one does (to rounding). Every
+    valid anchor is taken (max_anchors above the supervised positions), so no RNG draw differs."""
+    common = {"max_steps": 6, "checkpoint_every": 3, "max_anchors": 512}
+    cfg = cfg_file(tmp_path, tiny_target, tiny_data, **common)
+    res = run_torchrun(cfg)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    out = tmp_path / "run"
+    assert events_of(out, "run_start")[0]["layout"]["world_size"] == 2
+    ck = events_of(out, "checkpoint")
+    assert [c["step"] for c in ck] == [3, 6] and all(c["ranks_in_sync"] for c in ck)
+    steps = events_of(out, "step")
+    assert len(steps) == 6, "only rank 0 writes the stream"
+    assert steps[0]["batch_tokens"] > 256, "tokens are summed over both ranks"
+    for name, extra in (
+        ("accum", {"grad_accum_steps": 2}),
+        ("half", {}),
+        ("chunked", {"loss_chunk_rows": 7}),
+    ):
+        one = cfg_file(tmp_path, tiny_target, tiny_data, name=name, **extra, **common)
+        r = run_train(one)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    acc_steps = events_of(tmp_path / "accum", "step")
+    assert [s["batch_tokens"] for s in acc_steps] == [s["batch_tokens"] for s in steps]
+    assert events_of(tmp_path / "accum", "run_start")[0]["totals"]["max_tokens_per_step"] == 512
+    # the loss and the gradient's norm before clipping (clipping and Adam would hide a mis-scaled sum)
+    assert [(s["loss"], s["grad_norm"]) for s in acc_steps] == [(s["loss"], s["grad_norm"]) for s in steps]
+    ddp, acc, half = (final_weights(tmp_path / n) for n in ("run", "accum", "half"))
+    differ = [k for k in ddp if not torch.equal(ddp[k], acc[k])]
+    assert not differ, f"2 ranks vs 1 process accumulating: {differ} differ (2 ranks reduce exactly)"
+    control = sum(float((ddp[k] - half[k]).double().norm()) for k in ddp)
+    assert control > 1e-2, f"the half-batch control differs too little ({control:.3g}) to show anything"
+    # train.loss_chunk_rows: the same run as "half" with the heads and loss over 7-row chunks
+    chunked = final_weights(tmp_path / "chunked")
+    off = sum(float((chunked[k] - half[k]).double().norm()) for k in half)
+    assert off < 1e-3 * control, (
+        f"chunked vs unchunked loss: {off:.3g} (the half-batch control: {control:.3g})"
+    )
+    c_steps, h_steps = events_of(tmp_path / "chunked", "step"), events_of(tmp_path / "half", "step")
+    assert [s["eal"] for s in c_steps] == [s["eal"] for s in h_steps]
+
+
+def run_torchrun(cfg: Path, timeout=400, module: str = "trainer.cli") -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            module,
+            "train",
+            "--config",
+            str(cfg),
+        ],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def test_a_rank_that_diverges_stops_the_run_loudly(tmp_path, tiny_target, tiny_data):
+    """The fingerprint check is not only the trainer's word: rank 1 drifts on purpose (one weight
+    nudged by 1e-3 before the step-3 checkpoint, tests/integration/diverging_rank.py) and the run must
+    fail at that checkpoint, say so in the stream and on stderr, and not train on."""
+    cfg = cfg_file(tmp_path, tiny_target, tiny_data, max_steps=6, checkpoint_every=3)
+    res = run_torchrun(cfg, module="tests.integration.diverging_rank")
+    assert res.returncode != 0, "a diverged rank must not end in success"
+    assert "ranks diverged: weight checksums" in res.stdout + res.stderr
+    out = tmp_path / "run"
+    ck = events_of(out, "checkpoint")
+    assert [(c["step"], c["ranks_in_sync"]) for c in ck] == [(3, False)]
+    end = events_of(out, "run_end")[-1]
+    assert end["status"] == "failed" and end["step"] == 3 and "ranks diverged" in end["error"]
+    assert not [e for e in events_of(out, "step") if e["step"] > 3], "no step after the divergence"
+
+
+def test_zero1_shards_adam_moments_and_resumes_exactly(tmp_path, tiny_target, tiny_data):
+    """train.shard optimizer (default): each of 2 gloo ranks holds about half the Adam moments
+    (counted on the rank's own optimizer), the checkpoint holds the full state, and a resume from it
+    continues exactly like the uninterrupted run; plain AdamW on both ranks trains the same weights."""
+    import shutil
+
+    ref = cfg_file(tmp_path, tiny_target, tiny_data, name="ref", max_steps=6, checkpoint_every=3)
+    res = run_torchrun(ref)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    out = tmp_path / "ref"
+    start = events_of(out, "run_start")[0]
+    assert start["layout"]["optimizer"] == "ZeroRedundancyOptimizer(AdamW)"
+    total = 2 * start["layout"]["drafter_trainable_params"]  # exp_avg + exp_avg_sq
+    for c in events_of(out, "checkpoint"):
+        per_rank = c["moment_numel_per_rank"]
+        assert c["optimizer_sharded"] and sum(per_rank) == total and len(per_rank) == 2
+        assert all(0.25 * total < n < 0.75 * total for n in per_rank), per_rank
+    state = torch.load(read_latest(out) / "trainer_state.pt", map_location="cpu", weights_only=False)
+    saved = sum(
+        v.numel()
+        for st in state["optimizer"]["state"].values()
+        for k, v in st.items()
+        if k in ("exp_avg", "exp_avg_sq")
+    )
+    assert saved == total, "the checkpoint holds the consolidated (full) optimizer state"
+
+    resumed = tmp_path / "resumed"  # only ref's step-3 checkpoint: the run resumes there
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(out / "checkpoints" / "step-00000003", resumed / "checkpoints" / "step-00000003")
+    (resumed / "checkpoints" / "latest").write_text("step-00000003\n")
+    res = run_torchrun(
+        write_config(
+            tmp_path / "resumed.yaml",
+            tiny_target,
+            tiny_data,
+            resumed,
+            train={**FAST, "max_steps": 6, "checkpoint_every": 3},
+        )
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert events_of(resumed, "run_start")[-1]["resumed_from"] == "step-00000003"
+    ref_loss = {s["step"]: s["loss"] for s in events_of(out, "step")}
+    assert {s["step"]: s["loss"] for s in events_of(resumed, "step")} == {k: ref_loss[k] for k in (4, 5, 6)}
+    a, b = final_weights(out), final_weights(resumed)
+    assert [k for k in a if not torch.equal(a[k], b[k])] == [], (
+        "resumed ZeRO run differs from the uninterrupted one"
+    )
+
+    plain = cfg_file(
+        tmp_path,
+        tiny_target,
+        tiny_data,
+        name="plain",
+        max_steps=6,
+        checkpoint_every=3,
+        shard="none",
+    )
+    res = run_torchrun(plain)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    ck = events_of(tmp_path / "plain", "checkpoint")[-1]
+    assert not ck["optimizer_sharded"] and ck["moment_numel_per_rank"] == [total, total]
+    assert events_of(tmp_path / "plain", "run_start")[0]["layout"]["optimizer"] == "AdamW"
+    c = final_weights(tmp_path / "plain")
+    for k in a:
+        torch.testing.assert_close(a[k], c[k], rtol=1e-5, atol=1e-6)
+
+
+COMMON = {"max_steps": 6, "checkpoint_every": 3, "max_anchors": 512}
+
+
+def test_fsdp_trains_like_ddp_resumes_exactly_after_kill_9_and_reloads_in_speculators(
+    tmp_path, tiny_target, tiny_data
+):
+    """Each rank holds about half the weights' moments; the run ends where the DDP run of the same
+    seed ends (reduce-scatter vs all-reduce: to rounding); a run killed with SIGKILL in step 5 resumes
+    from step 3 and ends bit-identical to the uninterrupted one; the gathered checkpoint reloads in
+    speculators with exactly the saved tensors; the DDP run's step-3 checkpoint resumes under FSDP and
+    ends where the DDP run ends (one format). With activation checkpointing on top the weights
+    are bit-identical too (the recompute is the same arithmetic)."""
+    fsdp = cfg_file(tmp_path, tiny_target, tiny_data, name="fsdp", shard="full", **COMMON)
+    res = run_torchrun(fsdp)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    out = tmp_path / "fsdp"
+    start = events_of(out, "run_start")[0]
+    assert start["layout"]["optimizer"] == "FSDP2(AdamW)" and start["layout"]["shard"] == "full"
+    total = 2 * start["layout"]["drafter_trainable_params"]
+    ck = events_of(out, "checkpoint")
+    assert [c["step"] for c in ck] == [3, 6] and all(c["ranks_in_sync"] and c["shard"] == "full" for c in ck)
+    for c in ck:
+        per_rank = c["moment_numel_per_rank"]
+        assert sum(per_rank) == total and all(0.4 * total < n < 0.6 * total for n in per_rank), per_rank
+    state = torch.load(read_latest(out) / "trainer_state.pt", map_location="cpu", weights_only=False)
+    moments = state["optimizer"]["state"]
+    assert sorted(moments) == list(range(len(moments))), "AdamW's own layout: ids, not parameter names"
+    assert sum(v.numel() for st in moments.values() for k, v in st.items() if k != "step") == total
+
+    from speculators import SpeculatorModel
+
+    folder = read_latest(out)
+    model = SpeculatorModel.from_pretrained(str(folder))
+    saved = load_file(str(folder / "model.safetensors"))
+    own = model.state_dict()
+    assert saved.keys() == final_weights(tmp_path / "fsdp").keys()
+    assert all(torch.equal(own[k], v) for k, v in saved.items())
+    assert sum(v.numel() for v in saved.values()) >= start["layout"]["drafter_trainable_params"]
+
+    ddp = cfg_file(tmp_path, tiny_target, tiny_data, name="ddp", shard="none", **COMMON)
+    res = run_torchrun(ddp)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    a, b = final_weights(out), final_weights(tmp_path / "ddp")
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+    moved = sum(
+        float((a[k] - load_file(str(out / "checkpoints/step-00000003/model.safetensors"))[k]).norm())
+        for k in a
+    )
+    assert moved > 1e-3, "steps 4-6 changed the weights (the comparison is not between two idle runs)"
+
+    # one checkpoint format whatever the level: the DDP run's step-3 checkpoint resumed under FSDP
+    import shutil
+
+    cross = tmp_path / "cross"
+    (cross / "checkpoints").mkdir(parents=True)
+    shutil.copytree(tmp_path / "ddp/checkpoints/step-00000003", cross / "checkpoints/step-00000003")
+    (cross / "checkpoints/latest").write_text("step-00000003\n")
+    res = run_torchrun(cfg_file(tmp_path, tiny_target, tiny_data, name="cross", shard="full", **COMMON))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert events_of(cross, "run_start")[-1]["resumed_from"] == "step-00000003"
+    x = final_weights(cross)
+    for k in b:
+        torch.testing.assert_close(x[k], b[k], rtol=1e-5, atol=1e-6)
+
+    killed = cfg_file(tmp_path, tiny_target, tiny_data, name="killed", shard="full", **COMMON)
+    kout = tmp_path / "killed"
+    proc = subprocess.Popen(  # step 5 never ends (tests/integration/hang_at_step.py): the kill lands in it
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+        + ["-m", "tests.integration.hang_at_step", "train", "--config", str(killed)],
+        env={**ENV, "DFLASH_TEST_HANG_AT_STEP": "5"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        assert wait_for(lambda: (kout / "hanging-in-step").is_file(), timeout=300), "never reached step 5"
+    finally:
+        # torchrun and both ranks, SIGKILL: no handler runs. The ranks are found as torchrun's
+        # children: torch's elastic agent starts each in a session of its own, so killpg(torchrun)
+        # alone would leave them running (they were, once: still asleep in step 5 minutes later)
+        tree = [proc.pid, *(c.pid for c in psutil.Process(proc.pid).children(recursive=True))]
+        for pid in tree:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        proc.wait()
+    assert len(tree) >= 3, f"torchrun and its 2 ranks, found {tree}"
+
+    def alive(pid: int) -> bool:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        return False
+
+    assert wait_for(lambda: not any(alive(p) for p in tree[1:])), "a rank outlived the kill"
+    assert [c["step"] for c in events_of(kout, "checkpoint")] == [3]
+    res = run_torchrun(killed)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert events_of(kout, "run_start")[-1]["resumed_from"] == "step-00000003"
+    ref_loss = {s["step"]: s["loss"] for s in events_of(out, "step")}
+    assert {s["step"]: s["loss"] for s in events_of(kout, "step") if s["step"] > 3} == {
+        k: ref_loss[k] for k in (4, 5, 6)
+    }
+    c = final_weights(kout)
+    assert [k for k in a if not torch.equal(a[k], c[k])] == [], "resumed FSDP run differs"
+
+    ac = cfg_file(
+        tmp_path, tiny_target, tiny_data, name="ac", shard="full", activation_checkpointing=True, **COMMON
+    )
+    res = run_torchrun(ac)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert events_of(tmp_path / "ac", "run_start")[0]["layout"]["activation_checkpointing"] is True
+    d = final_weights(tmp_path / "ac")
+    assert [k for k in a if not torch.equal(a[k], d[k])] == [], "activation checkpointing changed the run"
