@@ -58,6 +58,25 @@ def test_set_overrides_are_typed_yaml(tmp_path):
     assert cfg.train.loss == "kl_div" and cfg.train.resolved_warmup_steps == 2
 
 
+def test_the_replaced_shard_optimizer_state_key_maps_to_train_shard(tmp_path):
+    """An older run.yaml (train.shard_optimizer_state, a boolean) still loads, as train.shard; a
+    file that says both and disagrees is refused, naming the key to keep."""
+
+    def train(**kw):
+        return load_config(write(tmp_path, {**MINIMAL, "train": {**MINIMAL["train"], **kw}})).train
+
+    assert train().shard == "optimizer"
+    assert train(shard_optimizer_state=True).shard == "optimizer"
+    assert train(shard_optimizer_state=False).shard == "none"
+    assert train(shard_optimizer_state=False, shard="none").shard == "none"
+    with pytest.raises(ConfigError, match="keep only train.shard"):
+        train(shard_optimizer_state=True, shard="full")
+    with pytest.raises(ConfigError, match="must be true or false"):
+        train(shard_optimizer_state="yes")
+    with pytest.raises(ConfigError, match="train.shard"):
+        train(shard="zero3")
+
+
 def test_set_override_of_unknown_key_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="train.lrr: unknown key"):
         load_config(write(tmp_path, MINIMAL), ["train.lrr=1"])
