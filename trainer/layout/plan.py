@@ -70,7 +70,7 @@ ASSUMPTIONS = {
     "memory_model": "trainer/layout/sizing.py",
     **SIZING_ASSUMPTIONS,
     "shard_auto_order": ["optimizer", "full"],  # --shard auto: the lightest level that fits
-    "share_target_embedding": True,  # train.share_target_embedding's default: the drafter reads the copy's
+    "share_target_embedding": True,  # the key's default: the drafter reads its target copy's embedding
     "mfu": 0.35,  # model FLOPs utilisation of the target forward (bf16)
     "drafter_compute_share": 0.25,  # drafter forward+backward time relative to the target forward
 }

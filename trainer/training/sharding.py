@@ -53,7 +53,7 @@ class Sharding:
 
     def __init__(self, cfg: RunConfig, d: Dist, bf16: bool):
         self.d = d
-        self.level = cfg.train.shard if d.enabled else "none"
+        self.level = cfg.train.shard if d.enabled else "none"  # one rank: nothing to shard over
         self.bf16 = bf16
         self.model: nn.Module | None = None
         self._prefix = ""
@@ -66,7 +66,7 @@ class Sharding:
     def wrap(self, model: nn.Module, drafter: nn.Module) -> nn.Module:
         """`model` (the drafter, or a module holding it as `.drafter`) ready for the ranks."""
         base = "" if model is drafter else "drafter."
-        self._prefix = "module." + base if self.d.enabled and self.level != "full" else base
+        self._prefix = "module." + base if self.level != "full" and self.d.enabled else base
         if not self.d.enabled:
             self.model = model
         elif self.level == "full":
@@ -96,7 +96,7 @@ class Sharding:
     def make_optimizer(self, cfg: RunConfig):
         """(optimizer, scheduler) over the wrapped model's trainable parameters (FSDP's are its
         sharded DTensors, so AdamW's moments are sharded with them)."""
-        return make_optimizer(self.trainable(), cfg, zero=self.level == "optimizer" and self.d.enabled)
+        return make_optimizer(self.trainable(), cfg, zero=self.level == "optimizer")
 
     # -------------------------------------------------------------- a step
     @contextlib.contextmanager
@@ -122,7 +122,7 @@ class Sharding:
 
     def local_moment_numel(self, optimizer) -> int:
         """Elements of the Adam moments (exp_avg + exp_avg_sq) this rank holds."""
-        local = optimizer.optim if self.level == "optimizer" and self.d.enabled else optimizer
+        local = optimizer.optim if self.level == "optimizer" else optimizer
         return sum(
             _local(v).numel()
             for st in local.state.values()
@@ -134,7 +134,7 @@ class Sharding:
         """A float64 fingerprint of what this rank holds whole and every rank must hold alike,
         compared across ranks at each checkpoint: the trainable weights under DDP; under FSDP, where
         each trainable weight has one owner, the frozen tensors every rank keeps a copy of."""
-        full = self.level == "full" and self.d.enabled
+        full = self.level == "full"
         with torch.no_grad():
             parts = [_checksum(p) for p in self.model.parameters() if p.requires_grad != full]
             return torch.stack(parts).sum().reshape(1).cpu()
@@ -143,13 +143,13 @@ class Sharding:
     def _names(self) -> list[str]:
         """Trainable parameter names as the drafter has them, in the optimizer's order."""
         p = self._prefix
-        return [n[len(p) :] if p else n for n, q in self.model.named_parameters() if q.requires_grad]
+        return [n[len(p) :] for n, q in self.model.named_parameters() if q.requires_grad]
 
     def gather_state(self, optimizer) -> tuple[dict[str, torch.Tensor] | None, dict[str, Any] | None]:
         """What a checkpoint saves, on rank 0: (the drafter's full state dict for `save_pretrained`,
         None where the drafter itself holds it whole; plain AdamW's state dict). (None, None) on the
         other ranks. A collective under FSDP and ZeRO (every rank calls it)."""
-        if self.level == "full" and self.d.enabled:
+        if self.level == "full":
             from torch.distributed.checkpoint.state_dict import (
                 StateDictOptions,
                 get_model_state_dict,
@@ -164,7 +164,7 @@ class Sharding:
             p = self._prefix
             weights = {k[len(p) :]: v for k, v in weights.items() if k.startswith(p)}
             return weights, _fqn_to_ids(osd, [p + n for n in self._names()])
-        if self.level == "optimizer" and self.d.enabled:
+        if self.level == "optimizer":
             optimizer.consolidate_state_dict(to=0)
         if not self.d.is_main:
             return None, None
@@ -174,7 +174,7 @@ class Sharding:
         """Load a checkpoint's full trainable weights and AdamW state (every rank reads it whole;
         FSDP and ZeRO keep their share)."""
         names = self._names()
-        if self.level == "full" and self.d.enabled:
+        if self.level == "full":
             from torch.distributed.checkpoint.state_dict import (
                 StateDictOptions,
                 set_model_state_dict,
