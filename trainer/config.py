@@ -29,8 +29,58 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+class VllmSourceConfig(_Section):
+    """`target.source: vllm`: a vLLM server holds the target and streams its hidden states."""
+
+    url: str | None = Field(
+        None,
+        description="a running server to use (http://HOST:PORT, started with the run's layer ids: "
+        "`dflash serve-target`); null: the trainer starts and owns one on 127.0.0.1",
+    )
+    tensor_parallel_size: int = Field(1, ge=1, description="the owned server's tensor parallelism")
+
+    data_parallel_size: int = Field(1, ge=1, description="the owned server's replicas (vLLM's own DP)")
+    gpus: list[int] | None = Field(
+        None,
+        description="CUDA devices of the owned server (null: the last tensor x data parallel ones; "
+        "`dflash plan --source vllm` says which)",
+    )
+    prefetch_batches: int = Field(
+        4, ge=1, description="batches each rank has requested ahead (bounds memory and disk)"
+    )
+    storage_dir: Path | None = Field(
+        None,
+        description="folder the owned server writes hidden-state files to (null: /dev/shm when "
+        "present, else out_dir); each file is deleted once read",
+    )
+    max_model_len: int | None = Field(
+        None, ge=8, description="the owned server's context length (null: data.max_length)"
+    )
+    gpu_memory_utilization: float = Field(
+        0.85, gt=0, le=1, description="share of its GPUs' memory the owned server may take"
+    )
+    start_timeout_s: float = Field(900.0, gt=0, description="time the owned server may take to load")
+    request_timeout_s: float = Field(300.0, gt=0, description="time one hidden-state request may take")
+    retries: int = Field(
+        5, ge=0, description="retries of a failed request (backoff 1, 2, 4 ... s, capped at 30 s)"
+    )
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("http://", "https://")):
+            raise ValueError(f"{v!r}: an http:// or https:// URL (http://127.0.0.1:8100)")
+        return v
+
+
 class TargetConfig(_Section):
     path: Path = Field(description="transformers model folder (config.json + *.safetensors)")
+    source: Literal["hooked", "vllm"] = Field(
+        "hooked",
+        description="hooked: the target in the trainer's process (one copy per rank); vllm: a vLLM "
+        "server holds it and streams hidden states (target.vllm)",
+    )
+    vllm: VllmSourceConfig = Field(default_factory=VllmSourceConfig)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="auto: bfloat16 on CUDA, float32 on CPU"
     )
@@ -136,6 +186,12 @@ class TrainConfig(_Section):
     stop_timeout_s: float = Field(
         600.0, gt=0, description="bound on SIGTERM -> final checkpoint -> exit; past it the run exits 3"
     )
+    collective_timeout_s: float = Field(
+        900.0,
+        gt=0,
+        description="bound on one collective (all-reduce, barrier): a rank or node that is gone fails the "
+        "others' run after this, and torchrun restarts the group; above the slowest checkpoint write",
+    )
     stall_factor: float = Field(
         10.0, gt=1, description="a step running this many times the median step is a stall (warning event)"
     )
@@ -230,6 +286,7 @@ class RunConfig(_Section):
         self.data.path = fix(self.data.path)
         self.out_dir = fix(self.out_dir)
         self.drafter.warm_start = fix(self.drafter.warm_start)
+        self.target.vllm.storage_dir = fix(self.target.vllm.storage_dir)
         return self
 
     def to_dict(self) -> dict[str, Any]:

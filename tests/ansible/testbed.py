@@ -79,6 +79,7 @@ class Testbed:
     hosts: dict[str, Host] = field(default_factory=dict)
     links: list[str] = field(default_factory=list)
     containers: list[str] = field(default_factory=list)
+    joined: dict[str, dict[str, tuple[str, str]]] = field(default_factory=dict)
 
     @property
     def key(self) -> Path:
@@ -215,6 +216,25 @@ class Testbed:
         with open(self.known_hosts, "a") as fh:
             fh.write(f"[127.0.0.1]:{port} {pub[0]} {pub[1]}\n")
         return host
+
+    def join(self, a: str, b: str) -> dict[str, tuple[str, str]]:
+        """A veth link straight between hosts `a` and `b` (a network of their own, as between two rented
+        nodes): {host: (its address on the link, its interface)}. Once per pair; it goes with the
+        namespaces."""
+        key = f"{a}+{b}"
+        if key in self.joined:
+            return self.joined[key]
+        ha, hb = self.hosts[a], self.hosts[b]
+        third = 10 + len(self.joined)  # 10.201.x.0/24: inside the hosts' namespaces only
+        tag = f"{os.getpid() % 10000}{len(self.joined)}"
+        ends = {a: (f"10.201.{third}.1", f"d5j{tag}a"), b: (f"10.201.{third}.2", f"d5j{tag}b")}
+        _run("ip", "link", "add", ends[a][1], "type", "veth", "peer", "name", ends[b][1])
+        for host, (addr, dev) in ((ha, ends[a]), (hb, ends[b])):
+            _run("ip", "link", "set", dev, "netns", host.ns)
+            _run("ip", "netns", "exec", host.ns, "ip", "addr", "add", f"{addr}/24", "dev", dev)
+            _run("ip", "netns", "exec", host.ns, "ip", "link", "set", dev, "up")
+        self.joined[key] = ends
+        return ends
 
     def close(self) -> None:
         for c in self.containers:

@@ -1,8 +1,8 @@
 """`python -m tests.integration.hang_at_step train --config C`: `dflash train`, except that the step
 numbered $DFLASH_TEST_HANG_AT_STEP (1-based) never finishes: it writes HANG_FILE into the run folder
-and sleeps. A test then kills the trainer mid-step at a known point instead of racing a running loop
-(a kill that lands "after step 6" on a loaded machine could land after the last step). A test aid
-only: it changes nothing in the package."""
+and sleeps (once: a restarted trainer that finds HANG_FILE goes on). A test then kills the trainer
+mid-step at a known point instead of racing a running loop (a kill that lands "after step 6" on a
+loaded machine could land after the last step). A test aid only: it changes nothing in the package."""
 
 from __future__ import annotations
 
@@ -20,8 +20,10 @@ original_train_step = loop.Trainer.train_step
 
 
 def train_step_that_hangs(self):
-    if self.step + 1 == HANG_AT:
-        (Path(self.cfg.out_dir) / HANG_FILE).write_text(f"{HANG_AT}\n")
+    marker = Path(self.cfg.out_dir) / HANG_FILE
+    if self.step + 1 == HANG_AT and not marker.exists():
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(f"{HANG_AT}\n")
         time.sleep(3600)
     return original_train_step(self)
 

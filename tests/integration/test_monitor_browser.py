@@ -93,7 +93,7 @@ def start_event(w: EventWriter, total: int, pid: int) -> None:
     )
 
 
-def step_event(w: EventWriter, step: int, total: int, loss: float | str | None = None) -> None:
+def step_event(w: EventWriter, step: int, total: int, loss: float | str | None = None, **extra) -> None:
     w.emit(
         "step",
         step=step,
@@ -106,6 +106,7 @@ def step_event(w: EventWriter, step: int, total: int, loss: float | str | None =
         tokens_per_s=2000.0,
         step_s=0.5,
         grad_norm=1.0,
+        **extra,
     )
 
 
@@ -169,8 +170,18 @@ def test_live_updates_alerts_summary_and_selector(browser, tmp_path, monkeypatch
         expect(page.get_by_test_id("loss")).to_have_text("nan")
         expect(stall).to_have_count(0, timeout=10_000)
 
+        # a multi-node run's step events carry each node's progress: the nodes tile shows it
+        expect(page.get_by_test_id("nodes")).to_be_hidden()
+        nodes = [
+            {"node": 0, "host": "gpu-a", "ranks": [0, 1], "step": 12, "step_s": 0.5},
+            {"node": 1, "host": "gpu-b", "ranks": [2, 3], "step": 12, "step_s": 1.25},
+        ]
+        step_event(w, 12, 50, loss=1.1, nodes=nodes)
+        expect(page.get_by_test_id("nodes")).to_have_text(
+            "0 gpu-a: step 12 (0.50s) · 1 gpu-b: step 12 (1.25s)", timeout=10_000
+        )
+
         # a finished run stays readable: the summary
-        step_event(w, 12, 50, loss=1.1)
         w.emit("run_end", status="stopped", step=12, tokens=12000, wall_s=30.0, last_checkpoint=None)
         summary = page.get_by_test_id("summary")
         expect(summary).to_be_visible(timeout=10_000)

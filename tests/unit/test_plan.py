@@ -104,6 +104,46 @@ def test_from_recon_facts_and_inventory_override(tmp_path):
     assert not p["fits"] and "DOES NOT FIT" in p["reason"]
 
 
+def test_several_nodes_plan_one_layout_and_refuse_hosts_that_differ(tmp_path):
+    """--facts once per node: the layout is per node, the ranks and the wall time are the group's; hosts
+    with another GPU model, count or driver are refused with the field and each host's value."""
+    smi = FIX / "nvidia-smi"
+    a100 = build_facts(
+        (smi / "a100-8x40gb.query.csv").read_text(), (smi / "a100-8x40gb.nvidia-smi.txt").read_text()
+    )
+    files = []
+    for name, gpus in (("a", a100), ("b", a100), ("c", {**a100, "driver": "550.54.15"}),
+                       ("d", {**a100, "count": 4})):  # fmt: skip
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "recon.json").write_text(json.dumps({"host": f"node-{name}", "gpus": gpus}))
+        files.append(tmp_path / name / "recon.json")
+    one = plan("--facts", files[0], "--anchors", 32)
+    two = plan("--facts", files[0], "--facts", files[1], "--anchors", 32)
+    assert (two["nodes"], two["gpus_per_copy"], two["data_parallel"]) == (
+        2,
+        one["gpus_per_copy"],
+        one["data_parallel"],
+    )
+    assert two["world_size"] == 2 * one["world_size"] == 2 * one["data_parallel"]
+    w1 = {h["gpu"]: h["wall_hours"] for h in one["offline_vs_online"]["per_hardware"]}
+    w2 = {h["gpu"]: h["wall_hours"] for h in two["offline_vs_online"]["per_hardware"]}
+    assert w2["A100-40GB"] == pytest.approx(w1["A100-40GB"] / 2, abs=0.1)
+    for other, field, value in ((files[2], "driver", "550.54.15"), (files[3], "count", "4")):
+        r = subprocess.run(
+            [sys.executable, "-m", "trainer.cli", "plan", "--target-config", QWEN, "--facts", str(files[0]),
+             "--facts", str(other), "--json"],
+            capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        assert r.returncode == 2 and r.stdout == "", r.stderr
+        assert f"{field}: node-a" in r.stderr and f"node-{other.parent.name} {value}" in r.stderr, r.stderr
+    r = subprocess.run(
+        [sys.executable, "-m", "trainer.cli", "plan", "--target-config", QWEN, "--facts", str(files[0]),
+         "--facts", str(files[1]), "--nodes", "3"],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert r.returncode == 2 and "--nodes 3 with 2 --facts files" in r.stderr
+
+
 def test_bad_input_is_named():
     r = subprocess.run(
         [
@@ -189,3 +229,37 @@ def test_too_big_for_the_node_exits_1(tmp_path):
     )
     assert r.returncode == 1
     assert json.loads(r.stdout)["gpus_per_copy"] is None
+
+
+SEEDS_RECIPE = ("--gpu", "A100-40GB", "--gpu-count", 8, "--draft-layers", 5, "--block-size", 16,
+                "--anchors", 512, "--tokens-per-batch", 4096)  # fmt: skip
+
+
+def test_the_seeds_recipe_on_8_a100_40gb_fits_with_vllm_serving_the_target():
+    """The seeds' first node: no in-process layout holds Qwen3.6-27B with 5 draft layers, block 16 and 512
+    anchors, even with every memory saving; with the target in a vLLM server (TP 2, 3 replicas on GPUs 2-7:
+    25.7 GiB of weights each) two trainer ranks on GPUs 0-1 keep over 10 % of their memory free."""
+    savings = ("--loss-chunk-rows", 1024, "--activation-checkpointing")
+    hooked = plan(*SEEDS_RECIPE, *savings, "--source", "hooked", rc=1)
+    assert hooked["source"] == "hooked" and not hooked["fits"]
+    p = plan(*SEEDS_RECIPE, *savings)
+    assert p["source"] == "vllm" and p["fits"] and "does not fit" in p["reason"]
+    v = p["vllm"]
+    assert (v["tensor_parallel_size"], v["data_parallel_size"]) == (2, 3)
+    assert v["gpus"] == [2, 3, 4, 5, 6, 7] and v["trainer_gpus"] == [0, 1]
+    assert v["per_gpu_breakdown_gib"]["target_weights"] == pytest.approx(55_116_000_000 / 2 / 2**30, abs=0.01)
+    assert p["data_parallel"] == 2 and p["headroom_share"] >= 0.10 and v["headroom_share"] >= 0.10
+    b = p["per_gpu_breakdown_gib"]
+    assert b["target_weights"] == 0 and b["target_forward"] == 0, "a trainer rank holds no target"
+    assert b["drafter_frozen"] == pytest.approx((248320 * 5120 * (4 + 2) + 5120 * 4) / 2**30, abs=0.01), (
+        "its own fp32 embedding (no target copy to share) and the bf16 head"
+    )
+    served = plan(*SEEDS_RECIPE, *savings, "--source", "vllm")
+    assert served["vllm"] == v, "--source vllm forces the split auto picked"
+
+
+def test_auto_keeps_the_target_in_process_where_it_fits_and_vllm_needs_two_gpus():
+    p = plan("--gpu", "B200", "--gpu-count", 8)
+    assert p["source"] == "hooked" and p["vllm"] is None and p["gpus_per_copy"] == 1
+    one = plan("--gpu", "A100-40GB", "--gpu-count", 1, "--source", "vllm", rc=1)
+    assert not one["fits"] and "at least 2 GPUs" in one["reason"]

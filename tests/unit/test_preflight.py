@@ -632,3 +632,43 @@ def test_warm_start_with_broken_safetensors_refused(make_config, tmp_path):
     (ckpt / "model.safetensors").write_bytes(blob[:20])
     report = preflight(make_config, drafter={"warm_start": str(ckpt)})
     assert_problem(report, "config.warm_start_bad_safetensors", "model.safetensors", "drafter.warm_start")
+
+
+# ---------------------------------------------------------------- target.source: vllm
+
+
+def test_a_vllm_source_passes_and_its_trainer_holds_no_target(make_config):
+    hooked = preflight(make_config)
+    report = preflight(make_config, target={"source": "vllm"})
+    assert report.ok, report.render_text()
+    need = report.machine["memory"]["need_gib"]
+    assert need < hooked.machine["memory"]["need_gib"], "no target weights or forward on the trainer"
+
+
+def test_a_vllm_source_with_a_split_copy_or_a_bad_tensor_parallel_size_is_refused(make_config):
+    report = preflight(
+        make_config, target={"source": "vllm", "gpus_per_copy": 2, "vllm.tensor_parallel_size": 3}
+    )
+    assert_problem(report, "config.vllm_gpus_per_copy", "target.gpus_per_copy 2", "drop")
+    assert_problem(report, "config.vllm_tensor_parallel", "does not divide", "attention heads")
+
+
+def test_a_vllm_source_that_must_start_a_server_needs_vllm_installed(make_config, monkeypatch):
+    """The one thing faked: that vLLM is missing from this venv (it is installed here)."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a)
+    )
+    report = preflight(make_config, target={"source": "vllm"})
+    assert_problem(report, "config.vllm_not_installed", "not installed", "target.vllm.url")
+    ok = preflight(make_config, target={"source": "vllm", "vllm.url": "http://127.0.0.1:8100"})
+    assert "config.vllm_not_installed" not in ok.codes()
+
+
+def test_a_vllm_url_that_is_not_http_is_a_config_error(make_config):
+    from trainer.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="http:// or https://"):
+        load_config(make_config(), ["target.source=vllm", "target.vllm.url=127.0.0.1:8100"])

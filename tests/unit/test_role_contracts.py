@@ -164,15 +164,26 @@ def test_no_issue_numbers_in_roles_playbooks_inventory():
 
 def render_role_var(role: str, name: str, values: dict) -> object:
     """A role variable rendered with Jinja2 the way Ansible would (the variables it names resolved
-    recursively from the role's defaults/ and vars/ and `values`; only Jinja's own filters), its result
-    parsed as Ansible parses a template's result (a list or dict literal becomes one)."""
+    recursively from the role's defaults/ and vars/ and `values`; Jinja's own filters and Ansible's
+    `combine`), its result parsed as Ansible parses a template's result (a list or dict literal becomes
+    one)."""
     import ast
 
     import jinja2
+    from ansible.plugins.filter.core import combine, extract, regex_replace, to_bool
     from jinja2 import meta
 
-    known = {**load(ROLES / role / "defaults/main.yml"), **load(ROLES / role / "vars/main.yml"), **values}
+    # a one-host play unless `values` says otherwise (what Ansible itself would define)
+    play = {"inventory_hostname": "node-0", "ansible_play_hosts_all": ["node-0"],
+            "hostvars": {"node-0": {"ansible_host": "10.0.0.1"}}}  # fmt: skip
+    known = {
+        **play,
+        **load(ROLES / role / "defaults/main.yml"),
+        **load(ROLES / role / "vars/main.yml"),
+        **values,
+    }
     env = jinja2.Environment(undefined=jinja2.StrictUndefined)
+    env.filters.update(combine=combine, extract=extract, regex_replace=regex_replace, bool=to_bool)
 
     def value_of(key: str):
         v = known[key]
@@ -207,3 +218,76 @@ def test_torchrun_waits_for_the_final_checkpoint_and_the_service_manager_waits_l
         "trainer_service", "trainer_service_exec", {**values, "trainer_service_layout": {"data_parallel": 1}}
     )
     assert single[0].endswith("/bin/dflash") and not any(a.startswith("--shutdown") for a in single)
+
+
+def test_a_multi_node_group_runs_torchrun_with_a_c10d_rendezvous_on_its_first_node():
+    """dflash_nodes 2: each host's unit runs torchrun with its node rank (its place in the play), the first
+    host's address as the rendezvous, torchrun's restarts, and the other node allowed through systemd's
+    address filter; one node stays --standalone behind a loopback-only filter."""
+    hosts = {"gpu-a": {"ansible_host": "10.9.0.11"}, "gpu-b": {"ansible_host": "10.9.0.12"}}
+    values = {
+        "dflash_root": "/opt/dflash",
+        "dflash_nodes": 2,
+        "trainer_service_layout": {"data_parallel": 8},
+        "trainer_service_run_config": {"train": {"stop_timeout_s": 900}},
+        "ansible_play_hosts_all": ["gpu-a", "gpu-b"],
+        "hostvars": hosts,
+        "trainer_service_socket_ifname": "ens5",
+    }
+    for rank, host in enumerate(hosts):
+        argv = render_role_var(
+            "trainer_service", "trainer_service_exec", {**values, "inventory_hostname": host}
+        )
+        assert argv[0].endswith("/bin/torchrun") and "--standalone" not in argv
+        want = ["--nnodes=2", f"--node-rank={rank}", "--rdzv-backend=c10d", "--rdzv-endpoint=10.9.0.11:29400"]
+        want += ["--rdzv-id=main", "--max-restarts=3", "--nproc-per-node=8"]
+        want += [f"--rdzv-conf=is_host={1 - rank}", f"--local-addr={hosts[host]['ansible_host']}"]
+        assert [f for f in want if f not in argv] == [], argv
+        assert argv[argv.index("-m") + 1 :] == [
+            "trainer.cli",
+            "train",
+            "--config",
+            "/opt/dflash/runs/main/config.yaml",
+        ]
+        env = render_role_var(
+            "trainer_service", "trainer_service_env_all", {**values, "inventory_hostname": host}
+        )
+        assert env["DFLASH_NODE_RANK"] == str(rank) and env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    allow = render_role_var("trainer_service", "trainer_service_ip_allow", values)
+    assert allow == ["localhost", "10.9.0.11", "10.9.0.12"]
+    assert env["GLOO_SOCKET_IFNAME"] == env["NCCL_SOCKET_IFNAME"] == "ens5"
+    one = {k: v for k, v in values.items() if k not in ("dflash_nodes", "trainer_service_socket_ifname")}
+    one["inventory_hostname"] = "gpu-b"
+    argv = render_role_var("trainer_service", "trainer_service_exec", one)
+    assert "--standalone" in argv and not any(a.startswith("--nnodes") for a in argv)
+    assert render_role_var("trainer_service", "trainer_service_ip_allow", one) == ["localhost"]
+    assert not {"GLOO_SOCKET_IFNAME", "DFLASH_NODE_RANK"} & set(
+        render_role_var("trainer_service", "trainer_service_env_all", one)
+    )
+
+
+def test_a_node_the_plan_splits_gets_a_vllm_source_and_trainers_on_the_other_gpus():
+    """The seeds' recipe on 8 x A100-40GB: `dflash plan` (its real JSON) puts the target in a vLLM server
+    on GPUs 2-7; the rendered run config's target section says so and torchrun starts 2 trainer ranks."""
+    import json
+    import subprocess
+    import sys
+
+    plan = subprocess.run(
+        [sys.executable, "-m", "trainer.cli", "plan", "--json", "--target-config",
+         REPO / "tests" / "fixtures" / "targets" / "qwen3.6-27b", "--gpu", "A100-40GB", "--gpu-count", "8",
+         "--draft-layers", "5", "--block-size", "16", "--anchors", "512", "--tokens-per-batch", "4096",
+         "--loss-chunk-rows", "1024", "--activation-checkpointing"],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    values = {"dflash_root": "/opt/dflash", "trainer_service_layout": json.loads(plan),
+              "trainer_service_run_config": {"train": {"stop_timeout_s": 900}}}  # fmt: skip
+    keys = render_role_var("trainer_service", "trainer_service_target_keys", values)
+    assert keys == {
+        "gpus_per_copy": 1,
+        "source": "vllm",
+        "vllm": {"tensor_parallel_size": 2, "data_parallel_size": 3, "gpus": [2, 3, 4, 5, 6, 7]},
+    }
+    assert "--nproc-per-node=2" in render_role_var("trainer_service", "trainer_service_exec", values)
+    hooked = {**values, "trainer_service_layout": {"gpus_per_copy": 4, "data_parallel": 2}}
+    assert render_role_var("trainer_service", "trainer_service_target_keys", hooked) == {"gpus_per_copy": 4}

@@ -138,9 +138,23 @@ def register(sub) -> None:
     p.add_argument("--gpu-count", type=int, help="GPUs on the node")
     p.add_argument("--gpu-memory-gib", type=float, help="per-GPU memory for a GPU not in the catalog")
     p.add_argument(
-        "--facts", metavar="RECON_JSON", help="a host's reports/<host>/recon.json instead of --gpu"
+        "--facts",
+        metavar="RECON_JSON",
+        action="append",
+        help="a host's reports/<host>/recon.json instead of --gpu; once per host of a multi-node group "
+        "(they must agree on GPU model, count, memory, driver and CUDA)",
+    )
+    p.add_argument(
+        "--nodes", type=int, help="nodes in the run (default: one, or one per --facts); each gets the layout"
     )
     p.add_argument("--gpus-per-copy", type=int, help="force the layout (the inventory override)")
+    p.add_argument(
+        "--source",
+        choices=["auto", "hooked", "vllm"],
+        default="auto",
+        help="target.source: hooked (a target copy per trainer), vllm (a vLLM server holds the target, "
+        "the other GPUs train) or auto (hooked when it fits, else vllm; the default)",
+    )
     p.add_argument("--dtype", default="bfloat16", help="target weight dtype (default bfloat16)")
     p.add_argument("--draft-layers", type=int, default=1, help="drafter decoder layers (default 1)")
     p.add_argument("--aux-layers", type=int, default=5, help="target layers fed to the drafter (default 5)")

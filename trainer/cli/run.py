@@ -74,6 +74,43 @@ def cmd_config(args) -> int:
     return 0
 
 
+def cmd_capture(args) -> int:
+    from trainer.capture import CaptureError, capture_samples, compare_captures
+
+    if args.compare:
+        diff = compare_captures(*args.compare)
+        print(diff.render())
+        if args.tolerance is not None and max(diff.max_rel.values()) > args.tolerance:
+            print(f"differences above --tolerance {args.tolerance:g}")
+            return ExitCode.FAILED
+        return ExitCode.OK
+    if args.config is None or args.out is None:
+        raise CaptureError("pass --config FILE --out FILE.safetensors (or --compare A B)")
+    overrides = list(args.overrides)
+    if args.source:
+        overrides.append(f"target.source={args.source}")
+    from trainer.config import load_config
+
+    print(json.dumps(capture_samples(load_config(args.config, overrides), args.samples, args.out)))
+    return ExitCode.OK
+
+
+def cmd_serve_target(args) -> int:
+    import os
+    import shlex
+
+    from trainer.sources.vllm_server import owned_server_command
+
+    cfg = _load(args)
+    cmd, env, storage = owned_server_command(cfg, args.port, host=args.host)
+    if args.print_command:
+        prefix = " ".join(f"{k}={v}" for k, v in env.items())
+        print((prefix + " " if prefix else "") + shlex.join(cmd))
+        return ExitCode.OK
+    storage.mkdir(parents=True, exist_ok=True)
+    os.execvpe(cmd[0], cmd, {**os.environ, **env})  # the unit's process becomes the server
+
+
 def cmd_demo(args) -> int:
     from trainer.demo.run import prepare_prompts, run_demo
 
@@ -105,6 +142,31 @@ def register(sub) -> None:
     p.add_argument("--schema", action="store_true", help="list every key, type, default")
     p.add_argument("--markdown", action="store_true", help="the reference table as markdown (docs)")
     p.set_defaults(func=cmd_config)
+
+    p = sub.add_parser(
+        "capture",
+        help="write the hidden states a source gives for the first N samples; --compare two such files",
+    )
+    p.add_argument("--config", type=Path, help="run config YAML")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--source", choices=("hooked", "vllm"), help="override target.source")
+    p.add_argument("--samples", type=int, default=8, help="how many samples, in dataset order (8)")
+    p.add_argument("--out", type=Path, help="the .safetensors file to write")
+    p.add_argument("--compare", nargs=2, type=Path, metavar=("A", "B"), help="compare two capture files")
+    p.add_argument(
+        "--tolerance", type=float, help="--compare: exit 1 when a relative difference is above this"
+    )
+    p.set_defaults(func=cmd_capture)
+
+    p = sub.add_parser(
+        "serve-target",
+        help="run (or print) the vLLM server that streams a run's hidden states (target.source: vllm)",
+    )
+    _add_config_args(p)
+    p.add_argument("--port", type=int, default=8100, help="port to listen on (8100)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1)")
+    p.add_argument("--print-command", action="store_true", help="print the command, do not run it")
+    p.set_defaults(func=cmd_serve_target)
 
     p = sub.add_parser("demo", help="the embedded default: a short run on a small real model on this CPU")
     p.add_argument("--out", type=Path, default=Path("runs/demo"))

@@ -72,6 +72,13 @@ ASSUMPTIONS = {
     "shard_auto_order": ["optimizer", "full"],  # --shard auto: the lightest level that fits
     "share_target_embedding": True,  # the key's default: the drafter reads its target copy's embedding
     "mfu": 0.35,  # model FLOPs utilisation of the target forward (bf16)
+    # --source vllm (target.source: vllm): a vLLM server on k GPUs (TP t x DP r) holds the target
+    "vllm_gpu_memory_utilization": 0.85,  # target.vllm.gpu_memory_utilization's default
+    "vllm_runtime_gib": 3.0,  # per server GPU: CUDA context, eager prefill activations, workspaces
+    "vllm_tensor_parallel_sizes": [1, 2, 4, 8],  # a size must also divide the attention heads
+    # KV cache the server must have room for: one batch of every trainer rank at once (the requests
+    # prefetched beyond that wait in vLLM's queue; a smaller cache costs throughput, not a crash)
+    "vllm_kv_batches_per_rank": 1,
     "drafter_compute_share": 0.25,  # drafter forward+backward time relative to the target forward
 }
 
@@ -203,7 +210,9 @@ class Recipe:
     activation_checkpointing: bool = False
 
 
-def per_gpu_bytes(t: TargetShape, n: int, dp: int, r: Recipe, shard: str) -> dict[str, float]:
+def per_gpu_bytes(
+    t: TargetShape, n: int, dp: int, r: Recipe, shard: str, target_in_process: bool = True
+) -> dict[str, float]:
     return per_device_bytes(
         shapes(t, r.draft_layers, r.n_aux),
         gpus_per_copy=n,
@@ -216,6 +225,7 @@ def per_gpu_bytes(t: TargetShape, n: int, dp: int, r: Recipe, shard: str) -> dic
         loss_chunk_rows=r.loss_chunk_rows,
         activation_checkpointing=r.activation_checkpointing,
         share_embedding=ASSUMPTIONS["share_target_embedding"],
+        target_in_process=target_in_process,
     )
 
 
@@ -323,6 +333,146 @@ def choose_layout(
     }
 
 
+def vllm_gpu_bytes(t: TargetShape, tp: int, tokens_in_flight: int, n_aux: int) -> dict[str, float]:
+    """Bytes on one GPU of a vLLM server holding the target with tensor parallelism `tp`: its weight
+    share, the KV cache of the prompts in flight (the prefetched batches of every trainer rank), the
+    extracted hidden-state rows (n_aux + the last state, on the first GPU) and a runtime reserve."""
+    wb = DTYPE_BYTES[t.dtype]
+    kv_per_token = 2 * t.layers * t.kv_heads * t.head_dim * wb
+    return {
+        "target_weights": t.params * wb / tp,
+        "kv_cache": tokens_in_flight * kv_per_token / tp,
+        "hidden_state_rows": tokens_in_flight * (n_aux + 1) * t.hidden * wb,
+        "runtime_reserve": ASSUMPTIONS["vllm_runtime_gib"] * GIB,
+    }
+
+
+def choose_disaggregated(t: TargetShape, memory_gib: float, count: int, r: Recipe) -> dict[str, Any]:
+    """`target.source: vllm`: k = TP x DP GPUs serve the target, the other count - k train the
+    drafter (one rank each, the target not in process). The smallest TP whose server fits; then the
+    server's DP that balances the two sides' throughput (the target forward on k GPUs against the
+    drafter step, `drafter_compute_share` of it, on count - k), the trainer side's shard level the
+    lightest that fits."""
+    a = ASSUMPTIONS
+    server_budget = memory_gib * GIB * a["vllm_gpu_memory_utilization"]
+    trainer_budget = memory_gib * GIB * a["usable_share"]
+    tried: list[dict[str, Any]] = []
+    if count < 2:
+        return {
+            "fits": False,
+            "reason": "a vLLM source needs at least 2 GPUs (one serves, one trains)",
+            "tried": tried,
+        }
+    share = a["drafter_compute_share"]
+    for tp in a["vllm_tensor_parallel_sizes"]:
+        if tp > count - 1 or t.heads % tp or t.kv_heads % tp and tp % t.kv_heads:
+            continue
+        best = None
+        for replicas in range(1, (count - 1) // tp + 1):
+            k = tp * replicas
+            m = count - k
+            in_flight = a["vllm_kv_batches_per_rank"] * m * r.tokens
+            server = vllm_gpu_bytes(t, tp, in_flight, r.n_aux)
+            s_need = sum(server.values())
+            for shard in _levels(r, m):
+                trainer = per_gpu_bytes(t, 1, m, r, shard, target_in_process=False)
+                t_need = sum(trainer.values())
+                if t_need <= trainer_budget:
+                    break
+            tried.append(
+                {
+                    "vllm_gpus": k,
+                    "tensor_parallel": tp,
+                    "trainer_gpus": m,
+                    "shard": shard,
+                    "server_gib": round(s_need / GIB, 1),
+                    "trainer_gib": round(t_need / GIB, 1),
+                }
+            )
+            if s_need > server_budget or t_need > trainer_budget:
+                continue
+            balance = min(k, m / share)  # target forwards vs drafter steps per unit of time
+            if best is None or balance > best[0]:
+                best = (balance, replicas, k, m, shard, server, trainer, s_need, t_need)
+        if best is None:
+            continue
+        _, replicas, k, m, shard, server, trainer, s_need, t_need = best
+        gpus = list(range(count))
+        return {
+            "fits": True,
+            "tensor_parallel": tp,
+            "data_parallel": replicas,
+            "server_gpus": gpus[m:],
+            "trainer_gpus": gpus[:m],
+            "trainer_data_parallel": m,
+            "shard": shard,
+            "server_bytes": server,
+            "trainer_bytes": trainer,
+            "server_need": s_need,
+            "trainer_need": t_need,
+            "reason": (
+                f"vLLM on GPUs {m}..{count - 1} (TP {tp}, DP {replicas}: the smallest TP whose shard of the "
+                f"{t.params * DTYPE_BYTES[t.dtype] / GIB:.1f} GiB target fits, "
+                f"~{s_need / GIB:.1f} GiB of the {server_budget / GIB:.1f} GiB server budget); "
+                f"{m} trainer rank(s) on GPUs 0..{m - 1}, train.shard {shard}, ~{t_need / GIB:.1f} GiB each "
+                f"of {trainer_budget / GIB:.1f} GiB (headroom {1 - t_need / (memory_gib * GIB):.0%}); "
+                f"DP {replicas} balances the target forward against the drafter step "
+                f"({share:.0%} of its cost)"
+            ),
+            "tried": tried,
+        }
+    return {
+        "fits": False,
+        "reason": "no split fits: "
+        + ", ".join(
+            f"TP {x['tensor_parallel']} x {x['vllm_gpus'] // x['tensor_parallel']}: server "
+            f"{x['server_gib']} GiB, trainer {x['trainer_gib']} GiB"
+            for x in tried[:6]
+        ),
+        "tried": tried,
+    }
+
+
+def disaggregated_layout(split: dict[str, Any], memory_gib: float) -> dict[str, Any]:
+    """`choose_disaggregated`'s answer in the fields of `choose_layout`'s (per-GPU figures: a trainer
+    rank's), the server under `vllm`."""
+    if not split["fits"]:
+        return {
+            "gpus_per_copy": None,
+            "data_parallel": 0,
+            "shard": None,
+            "fits": False,
+            "per_gpu_bytes": {},
+            "per_gpu_memory_gb": None,
+            "per_gpu_memory_gib": None,
+            "reason": split["reason"],
+            "tried": split["tried"],
+            "vllm": None,
+        }
+    need = split["trainer_need"]
+    return {
+        "gpus_per_copy": 1,
+        "data_parallel": split["trainer_data_parallel"],
+        "shard": split["shard"],
+        "fits": True,
+        "per_gpu_bytes": split["trainer_bytes"],
+        "per_gpu_memory_gb": round(need / 1e9, 1),
+        "per_gpu_memory_gib": round(need / GIB, 1),
+        "headroom_share": round(1 - need / (memory_gib * GIB), 3),
+        "reason": split["reason"],
+        "tried": split["tried"],
+        "vllm": {
+            "tensor_parallel_size": split["tensor_parallel"],
+            "data_parallel_size": split["data_parallel"],
+            "gpus": split["server_gpus"],
+            "trainer_gpus": split["trainer_gpus"],
+            "per_gpu_memory_gib": round(split["server_need"] / GIB, 1),
+            "per_gpu_breakdown_gib": {k: round(v / GIB, 2) for k, v in split["server_bytes"].items()},
+            "headroom_share": round(1 - split["server_need"] / (memory_gib * GIB), 3),
+        },
+    }
+
+
 def offline_arithmetic(
     t: TargetShape,
     n_aux: int,
@@ -365,10 +515,49 @@ def offline_arithmetic(
     return out
 
 
+# What the hosts of one multi-node run must share: one layout is planned for all of them, NCCL needs
+# one driver/CUDA pairing, and a slower or smaller GPU would pace (or not fit) the whole run.
+GROUP_FIELDS = ("model", "count", "memory_gib_min", "compute_cap", "driver", "driver_cuda")
+
+
+def group_mismatches(facts_files: list[Path]) -> list[str]:
+    """How the hosts' recon facts differ in GROUP_FIELDS (empty: they can run as one)."""
+    rows = []
+    for path in facts_files:
+        try:
+            facts = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise PlanError(f"recon facts {path}: {exc}") from None
+        host = facts.get("host")
+        host = (host.get("name") if isinstance(host, dict) else host) or Path(path).parent.name
+        rows.append((host, facts.get("gpus", facts)))
+    problems = []
+    for field in GROUP_FIELDS:
+        seen = {host: gpus.get(field) for host, gpus in rows}
+        if len({json.dumps(v) for v in seen.values()}) > 1:
+            problems.append(f"{field}: " + ", ".join(f"{h} {v}" for h, v in seen.items()))
+    return problems
+
+
+def node_count(args) -> int:
+    facts = args.facts or []
+    nodes = args.nodes if args.nodes is not None else max(1, len(facts))
+    if nodes < 1:
+        raise PlanError(f"--nodes must be >= 1, got {nodes}")
+    if len(facts) > 1 and nodes != len(facts):
+        raise PlanError(f"--nodes {nodes} with {len(facts)} --facts files: give one per node")
+    if len(facts) > 1:
+        bad = group_mismatches([Path(f) for f in facts])
+        if bad:
+            raise PlanError("the hosts cannot run as one multi-node run, they differ in " + "; ".join(bad))
+    return nodes
+
+
 def make_plan(args) -> dict[str, Any]:
     target = read_target(Path(args.target_config), args.dtype)
+    nodes = node_count(args)
     if args.facts:
-        gpu_name, spec, count = gpus_from_facts(Path(args.facts))
+        gpu_name, spec, count = gpus_from_facts(Path(args.facts[0]))
         if args.gpu_count:
             count = args.gpu_count
     else:
@@ -394,10 +583,31 @@ def make_plan(args) -> dict[str, Any]:
         shard=None if args.shard == "auto" else args.shard,
         activation_checkpointing=args.activation_checkpointing,
     )
+    source = args.source
+    if source == "vllm" and args.gpus_per_copy:
+        raise PlanError("--gpus-per-copy is the hooked layout's: it does not combine with --source vllm")
     layout = choose_layout(target, spec["memory_gib"], count, recipe, args.gpus_per_copy)
+    split = None
+    if source == "vllm" or (source == "auto" and not layout["fits"] and not args.gpus_per_copy):
+        split = choose_disaggregated(target, spec["memory_gib"], count, recipe)
+        if source == "auto" and split["fits"]:
+            split["reason"] = (
+                "the target in each trainer process does not fit ("
+                + layout["reason"]
+                + "): a vLLM server holds it instead; "
+                + split["reason"]
+            )
+        if split["fits"] or source == "vllm":
+            layout = disaggregated_layout(split, spec["memory_gib"])
+        else:
+            layout["reason"] += (
+                "; nor does a vLLM server beside the trainers (--source vllm): " + split["reason"]
+            )
     plan = {
         "gpu": gpu_name,
         "gpu_count": count,
+        "nodes": nodes,
+        "world_size": nodes * layout["data_parallel"],
         "gpu_memory_gib": spec["memory_gib"],
         "target": {
             "params": target.params,
@@ -407,6 +617,8 @@ def make_plan(args) -> dict[str, Any]:
             "vocab": target.vocab,
             "dtype": target.dtype,
         },
+        "source": "vllm" if split is not None and (split["fits"] or source == "vllm") else "hooked",
+        "vllm": layout.get("vllm"),
         "gpus_per_copy": layout["gpus_per_copy"],
         "data_parallel": layout["data_parallel"],
         "shard": layout["shard"],
@@ -431,7 +643,7 @@ def make_plan(args) -> dict[str, Any]:
         "assumptions": ASSUMPTIONS,
     }
     arith = offline_arithmetic(
-        target, n_aux, args.samples, args.mean_tokens, args.epochs, count, layout["gpus_per_copy"]
+        target, n_aux, args.samples, args.mean_tokens, args.epochs, count * nodes, layout["gpus_per_copy"]
     )
     plan["offline_storage_bytes"] = arith["offline_storage_bytes"]
     plan["offline_vs_online"] = arith
@@ -445,9 +657,15 @@ def render_text(p: dict[str, Any]) -> str:
             f"target   {t['params'] / 1e9:.2f}B params ({t['params_source']}), hidden {t['hidden']}, "
             f"{t['layers']} layers, {t['dtype']}"
         ),
-        f"gpus     {p['gpu_count']} x {p['gpu']} ({p['gpu_memory_gib']} GiB each)",
+        f"gpus     {p['gpu_count']} x {p['gpu']} ({p['gpu_memory_gib']} GiB each)"
+        + (f" per node, {p['nodes']} nodes: {p['world_size']} trainer ranks" if p["nodes"] > 1 else ""),
         (
-            f"layout   {p['gpus_per_copy']} GPU(s) per target copy, data-parallel {p['data_parallel']}, "
+            f"layout   target.source vllm: GPUs {p['vllm']['gpus']} serve the target (TP "
+            f"{p['vllm']['tensor_parallel_size']}, DP {p['vllm']['data_parallel_size']}, "
+            f"~{p['vllm']['per_gpu_memory_gib']} GiB each), GPUs {p['vllm']['trainer_gpus']} train "
+            f"(data-parallel {p['data_parallel']}, train.shard {p['shard']})"
+            if p.get("vllm")
+            else f"layout   {p['gpus_per_copy']} GPU(s) per target copy, data-parallel {p['data_parallel']}, "
             f"train.shard {p['shard']}"
             if p["gpus_per_copy"] is not None
             else "layout   NONE FITS (tried "
@@ -457,7 +675,7 @@ def render_text(p: dict[str, Any]) -> str:
             )
             + ")"
         ),
-        f"memory   ~{p['per_gpu_memory_gib']} GiB per GPU: "
+        f"memory   ~{p['per_gpu_memory_gib']} GiB per {'trainer ' if p.get('vllm') else ''}GPU: "
         + ", ".join(f"{k} {v}" for k, v in p["per_gpu_breakdown_gib"].items()),
         f"why      {p['reason']}",
     ]
@@ -465,7 +683,7 @@ def render_text(p: dict[str, Any]) -> str:
     lines.append(f"offline  {o['offline_storage_tb']} TB of hidden states ({o['formula']})")
     lines.append(f"         {o['online_note']}")
     lines.append(
-        f"per hardware (same GPU count; assumptions: mfu {p['assumptions']['mfu']}, "
+        f"per hardware ({p['gpu_count'] * p['nodes']} GPUs; assumptions: mfu {p['assumptions']['mfu']}, "
         f"drafter {p['assumptions']['drafter_compute_share']:.0%} of the target forward):"
     )
     for h in o["per_hardware"]:

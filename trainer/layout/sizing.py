@@ -123,11 +123,15 @@ def per_device_bytes(
     loss_chunk_rows: int = 0,
     activation_checkpointing: bool = False,
     share_embedding: bool = True,
+    target_in_process: bool = True,
 ) -> dict[str, float]:
     """Bytes on the first GPU of a target copy (or in host RAM for device="cpu"), by part.
 
     `device` "cuda": bf16 autocast, fused loss; "cpu": fp32, eager loss. `activation_bytes` overrides
-    the activation width (train.precision float32 on CUDA = 4)."""
+    the activation width (train.precision float32 on CUDA = 4). `target_in_process` False
+    (`target.source: vllm`): a trainer rank holds no target weights and runs no target forward, and
+    the drafter keeps its own embedding (there is no target copy to share it with); the captured
+    features still arrive on its device."""
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device {device!r}: use cuda or cpu")
     if shard not in SHARD_LEVELS:
@@ -160,9 +164,12 @@ def per_device_bytes(
     layers_act = (
         q * s.hidden * s.draft_layers + per_layer if activation_checkpointing else s.draft_layers * per_layer
     )
+    share_embedding = share_embedding and target_in_process
+    here = 1 if target_in_process else 0
+    forward = tokens * s.intermediate * a["mlp_intermediate_copies"] * s.target_dtype_bytes
     return {
-        "target_weights": s.target_params * s.target_dtype_bytes / gpus_per_copy,
-        "target_forward": tokens * s.intermediate * a["mlp_intermediate_copies"] * s.target_dtype_bytes,
+        "target_weights": here * s.target_params * s.target_dtype_bytes / gpus_per_copy,
+        "target_forward": here * forward,
         "drafter_trainable": trainable,
         "drafter_gathered": gathered,
         "drafter_optimizer": p * a["adam_moment_bytes_per_param"] / moment_shards,

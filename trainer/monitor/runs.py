@@ -8,6 +8,7 @@ newest lines in a bounded ring). `Hub.refresh()` is called by one poller thread;
 from __future__ import annotations
 
 import json
+import math
 import os
 import threading
 import time
@@ -18,7 +19,7 @@ from typing import Any
 
 from trainer.monitor import alerts as alerts_mod
 from trainer.monitor.redact import redact, redact_text
-from trainer.monitor.state import RunState
+from trainer.monitor.state import RunState, num
 from trainer.monitor.system import SystemSampler, disk, process_alive
 from trainer.monitor.tailer import Follower, tail_lines
 
@@ -144,6 +145,8 @@ class RunMonitor:
                 "eal": _finite_or_text(last.get("eal")),
                 "lr": _finite_or_text(last.get("lr")),
                 "grad_norm": _finite_or_text(last.get("grad_norm")),
+                "hs_wait_share": _hs_wait_share(last),
+                "nodes": last.get("nodes") if isinstance(last.get("nodes"), list) else None,
                 "position_acc": last.get("position_acc"),
                 "last_step_time": st.last_step_time,
                 "last_event_time": st.last_time,
@@ -165,6 +168,14 @@ class RunMonitor:
             snap["alerts"] = alerts_mod.evaluate(st, now, th, dk, alive)
             snap["summary"] = st.summary() if st.finished else None
             return snap
+
+
+def _hs_wait_share(step: dict) -> float | None:
+    """Share of the last step's time spent waiting for hidden states (target.source vllm), else None."""
+    wait, total = num(step.get("hs_wait_s")), num(step.get("step_s"))
+    if wait is None or not total or not math.isfinite(wait) or total <= 0:
+        return None
+    return min(1.0, wait / total)
 
 
 def _finite_or_text(v: Any) -> Any:

@@ -5,9 +5,9 @@ Three gates, each listing every problem it finds (a run is refused on any error;
 - data (data.py): supervised tokens per sample (histogram), short responses, samples the loop would
   drop (no two consecutive supervised tokens, longer than data.max_length, input_ids/loss_mask length
   mismatch), token ids outside the target vocabulary;
-- config: the target folder (target.py); the aux layer ids (in speculators' convention, after
-  conversion), the mask token, the block size, and a warm-start checkpoint's wiring (fc width, aux
-  ids, hidden size) (drafter.py);
+- config: the target folder and, for `target.source: vllm`, what starting or using a server needs
+  (target.py); the aux layer ids (in speculators' convention, after conversion), the mask token, the
+  block size, and a warm-start checkpoint's wiring (fc width, aux ids, hidden size) (drafter.py);
 - machine (machine.py): free disk for the kept checkpoints, and a memory estimate against the device.
 
 The findings and their rendering are in report.py. Light side: model folders are read by
@@ -25,7 +25,7 @@ from trainer.preflight.data import data_gate
 from trainer.preflight.drafter import aux_gate, drafter_gate, warm_start_gate
 from trainer.preflight.machine import disk_gate, memory_gate
 from trainer.preflight.report import PreflightReport
-from trainer.preflight.target import target_gate
+from trainer.preflight.target import source_gate, target_gate
 
 if TYPE_CHECKING:
     from trainer.config import RunConfig
@@ -40,6 +40,7 @@ def run_preflight(cfg: RunConfig) -> PreflightReport:
     report = PreflightReport()
     target = _guarded(report, "target", lambda: target_gate(cfg, report))
     gates: list[tuple[str, Callable[[RunConfig, TargetInfo | None, PreflightReport], None]]] = [
+        ("hidden-state source", source_gate),
         ("aux ids", aux_gate),
         ("drafter", drafter_gate),
         ("warm start", warm_start_gate),

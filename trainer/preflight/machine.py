@@ -97,6 +97,7 @@ def estimate_memory(
         loss_chunk_rows=t.loss_chunk_rows,
         activation_checkpointing=t.activation_checkpointing,
         share_embedding=t.share_target_embedding,
+        target_in_process=cfg.target.source == "hooked",
     )
 
 

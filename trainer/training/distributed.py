@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -33,8 +34,8 @@ def setup_dist(cfg: RunConfig) -> Dist:
     """This process's rank and devices from torchrun's environment; the process group when there
     is more than one rank. Rank r's target copy spans GPUs r*k..r*k+k-1 (k = target.gpus_per_copy)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
+    rank = node_pinned_rank(world, local)  # before RANK is rewritten below
     want = cfg.train.device
     use_cuda = torch.cuda.is_available() and want in ("auto", "cuda")
     if want == "cuda" and not torch.cuda.is_available():
@@ -54,8 +55,52 @@ def setup_dist(cfg: RunConfig) -> Dist:
         device = torch.device("cpu")
         devices = [device]
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+        # a rank (or node) that is gone fails the others' next collective within this bound
+        timeout = timedelta(seconds=cfg.train.collective_timeout_s)
+        backend = "nccl" if use_cuda else "gloo"
+        if os.environ.get(NODE_RANK_ENV) is None:
+            dist.init_process_group(backend=backend, timeout=timeout)
+        else:
+            # pinned ranks: torchrun's own rank 0 hosts the round's store at MASTER_ADDR:MASTER_PORT (its
+            # node); the multi-node unit sets TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, since the agent's shared
+            # store keeps the previous round's keys and a restarted group read stale peer addresses
+            # (pytorch/pytorch#135712: gloo/NCCL connect timeouts after a restart)
+            hosts_store = (
+                os.environ.get("RANK") == "0" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+            )
+            store = dist.TCPStore(
+                os.environ["MASTER_ADDR"],
+                int(os.environ["MASTER_PORT"]),
+                world,
+                is_master=hosts_store,
+                timeout=timeout,
+            )
+            dist.init_process_group(
+                backend=backend, store=store, rank=rank, world_size=world, timeout=timeout
+            )
+    os.environ["RANK"] = str(rank)  # for anything after this that reads it
     return Dist(rank, world, local, device, devices)
+
+
+NODE_RANK_ENV = "DFLASH_NODE_RANK"
+
+
+def node_pinned_rank(world: int, local: int) -> int:
+    """This process's global rank. torchrun's c10d rendezvous numbers the nodes in an order of its own
+    (sorted host names and agent pids), which can change when the group restarts; a multi-node unit
+    sets DFLASH_NODE_RANK (its place in the inventory), and rank = node rank x ranks per node + local
+    rank, so that global rank 0, which writes the events and the checkpoints, is always on node 0."""
+    pinned = os.environ.get(NODE_RANK_ENV)
+    if pinned is None:
+        return int(os.environ.get("RANK", "0"))
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    rank = int(pinned) * per_node + local
+    if not 0 <= rank < world:
+        raise RuntimeError(
+            f"{NODE_RANK_ENV}={pinned} with {per_node} ranks per node gives rank {rank}, outside the "
+            f"world of {world}: the node ranks of the group must be 0..{world // max(per_node, 1) - 1}"
+        )
+    return rank
 
 
 def all_reduce_(t: torch.Tensor, d: Dist, op=dist.ReduceOp.SUM) -> torch.Tensor:

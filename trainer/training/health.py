@@ -43,22 +43,25 @@ class RunHealth:
     """The warnings of one run about itself, through the trainer's `emit` and `log` (rank 0 only).
     Keeps the count of non-finite steps in a row and warns about low agreement once per run."""
 
-    def __init__(self, cfg: RunConfig, emit, log):
-        self.train, self.emit, self.log = cfg.train, emit, log
+    def __init__(self, cfg: RunConfig, emit, log, where=None):
+        """`where`: a callable that says which ranks (nodes) are behind, for a stall warning."""
+        self.train, self.emit, self.log, self.where = cfg.train, emit, log, where
         self.bad_streak = 0
         self.agreement_warned = False
 
     def on_stall(self, step: int, waited: float, threshold: float) -> None:
         """The stall watchdog's callback (its own thread)."""
         factor = self.train.stall_factor
+        message = f"step {step} has run {waited:.0f}s (> {threshold:.0f}s, {factor:g}x the median step)"
+        where = self.where() if self.where else ""
         self.emit(
             "warning",
             kind="stall",
             step=step,
             waited_s=round(waited, 1),
-            message=f"step {step} has run {waited:.0f}s (> {threshold:.0f}s, {factor:g}x the median step)",
+            message=message + (f": {where}" if where else ""),
         )
-        self.log(f"WARNING step {step} stalled for {waited:.0f}s")
+        self.log(f"WARNING step {step} stalled for {waited:.0f}s" + (f": {where}" if where else ""))
 
     def after_step(self, step: int, m: dict[str, Any], problem: str | None) -> bool:
         """Warn about step `step` (its metrics `m`, its `problem`: nonfinite_target, nonfinite_loss or

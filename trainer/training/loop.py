@@ -12,6 +12,7 @@ STOP_TIMEOUT the stop exceeded its bound.
 from __future__ import annotations
 
 import os
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -24,7 +25,15 @@ from trainer import checkpoint as ckpt
 from trainer.config import RunConfig, dump_config
 from trainer.errors import ExitCode
 from trainer.events import EventWriter
-from trainer.training.distributed import Dist, all_ranks, any_rank, gather_objects, setup_dist
+from trainer.sources.vllm_server import VllmServerError
+from trainer.training.distributed import (
+    NODE_RANK_ENV,
+    Dist,
+    all_ranks,
+    any_rank,
+    gather_objects,
+    setup_dist,
+)
 from trainer.training.health import RunHealth, features_finite, target_agreement
 from trainer.training.metrics import StepResult, merge_batches, step_metrics
 from trainer.training.sharding import Sharding
@@ -57,10 +66,13 @@ class Trainer:
             share_target_embedding,
         )
         from trainer.sources import make_source
+        from trainer.training.liveness import Heartbeats
 
         cfg, d = self.cfg, self.d
         seed_all(cfg.train.seed)
-        self.source = make_source(cfg, d.device, d.target_devices)
+        self.beats = Heartbeats(d)  # where each rank is (a no-op on one process)
+        self.multi_node = d.enabled and NODE_RANK_ENV in os.environ
+        self.source = make_source(cfg, d.device, d.target_devices, d=d, warn=self.source_warning)
         self._bf16 = d.device.type == "cuda" and cfg.train.precision in ("auto", "bfloat16")
         self.drafter = build_drafter(cfg, d.device, head_dtype=torch.bfloat16 if self._bf16 else None)
         self.n_trainable = count_trainable(self.drafter)
@@ -79,8 +91,8 @@ class Trainer:
             "supervised_tokens": int(stats.supervised[usable].sum()),
             "tokens": int(stats.lengths[usable].sum()),
         }
-        self.sampler = PackedSampler(
-            ds, usable, cfg.train.max_tokens_per_batch, cfg.train.seed, d.rank, d.world_size
+        self.sampler = self.source.batches(  # a vLLM source requests batches ahead
+            PackedSampler(ds, usable, cfg.train.max_tokens_per_batch, cfg.train.seed, d.rank, d.world_size)
         )
         model = self.drafter
         if cfg.train.loss_chunk_rows:  # the same forward, the heads and loss over row chunks
@@ -96,16 +108,40 @@ class Trainer:
 
     # -------------------------------------------------------------- resume
     def resume(self) -> None:
+        """Resume from global rank 0's newest verified checkpoint. Ranks on another node (no shared
+        filesystem: only rank 0 writes checkpoints) that lack that very checkpoint, verified, get
+        rank 0's copy over the process group, so every rank starts from the same state."""
+        d = self.d
         folder, problems = ckpt.find_resume_checkpoint(self.cfg.out_dir)
         for p in problems:
             self.emit("warning", kind="corrupt_checkpoint", message=p)
             self.log(f"WARNING checkpoint does not verify, skipped: {p}")
-        if folder is None:
+        names = gather_objects(folder.name if folder else None, d)
+        chosen = names[0]
+        if chosen is None:
+            if any(names):
+                self.log(
+                    f"WARNING rank 0 has no verified checkpoint, other ranks have {set(names) - {None}}: "
+                    "starting from step 0 (checkpoints are rank 0's)"
+                )
             return
         from trainer.drafter import read_trainable_weights
 
-        state = ckpt.load_trainer_state(folder)
-        weights = read_trainable_weights(self.drafter, folder / "model.safetensors")
+        lacking = [r for r, n in enumerate(names) if n != chosen]
+        if lacking:
+            folder = ckpt.checkpoints_dir(self.cfg.out_dir) / chosen
+            sent = [None, None]
+            if d.is_main:
+                sent = [
+                    ckpt.load_trainer_state(folder),
+                    read_trainable_weights(self.drafter, folder / "model.safetensors"),
+                ]
+            dist.broadcast_object_list(sent, src=0)
+            state, weights = sent
+            self.log(f"ranks {lacking} lack {chosen}: rank 0's copy sent over the process group")
+        else:
+            state = ckpt.load_trainer_state(folder)
+            weights = read_trainable_weights(self.drafter, folder / "model.safetensors")
         if not state["optimizer"].get("state"):
             raise ckpt.CheckpointError(
                 f"{folder}: optimizer state is empty: refusing a resume that restores nothing"
@@ -119,16 +155,20 @@ class Trainer:
         rngs = state["rng"]
         set_rng_state(rngs[self.d.rank] if isinstance(rngs, list) else rngs)
         self.step, self.tokens = int(state["step"]), int(state["tokens"])
-        self.resumed_from = folder.name
+        self.resumed_from = chosen
         self.log(f"resumed from {folder.name} (step {self.step}, {self.tokens} tokens)")
 
-    def save(self, reason: str) -> None:
+    def save(self, reason: str, at_step_start: bool = False) -> None:
+        """A checkpoint of the state after step `self.step`. `at_step_start`: the step after it failed
+        part way (a hidden-state source gave up): the sampler and RNG as that step found them, so a
+        resume draws and trains its batches again."""
         d, sh = self.d, self.sharding
         # collectives: every rank sends its shards, rank 0 gets the full weights and optimizer state
         weights, optimizer_state = sh.gather_state(self.optimizer)
         moments = gather_objects(sh.local_moment_numel(self.optimizer), d)
-        samplers = gather_objects(self.sampler.state_dict(), d)
-        rngs = gather_objects(rng_state(), d)
+        sampler, rng = self.step_start if at_step_start else (self.sampler.state_dict(), rng_state())
+        samplers = gather_objects(sampler, d)
+        rngs = gather_objects(rng, d)
         sums = [float(x) for x in torch.cat(gather_objects(sh.fingerprint(), d))]
         in_sync = all(x == sums[0] for x in sums)
         if d.is_main:
@@ -179,6 +219,11 @@ class Trainer:
         if not in_sync:
             raise RuntimeError(f"ranks diverged: weight checksums {sums}")
 
+    def source_warning(self, kind: str, message: str) -> None:
+        """A hidden-state source's trouble it is handling itself (a retried request)."""
+        self.emit("warning", kind=kind, message=message, step=self.step)
+        self.log(f"WARNING {message}")
+
     # -------------------------------------------------------------- one step
     def next_batch(self) -> dict[str, Any]:
         """The next packed batch of this rank as [1, T] tensors on the device (+ numpy copies)."""
@@ -189,8 +234,20 @@ class Trainer:
         return b
 
     def capture(self, b: dict[str, Any]):
-        """The frozen target's features for a batch (no grad, lm_head never computed)."""
-        cap = self.source.capture(b["input_ids_t"], b["position_ids_t"])
+        """The frozen target's features for a batch (no grad, lm_head never computed). With a vLLM
+        source over several ranks, a server lost to one rank (its retries spent) is lost to all: they
+        agree after each capture and raise together, so the final checkpoint (a collective) runs on
+        every rank instead of the others waiting in the step's all-reduce."""
+        if self.cfg.target.source == "vllm" and self.d.enabled:
+            lost = None
+            try:
+                cap = self.source.capture(b["input_ids_t"], b["position_ids_t"], ticket=b.get("ticket"))
+            except VllmServerError as exc:
+                lost = exc
+            if any_rank(lost is not None, self.d):
+                raise lost or VllmServerError("the hidden-state server was lost to another rank")
+        else:
+            cap = self.source.capture(b["input_ids_t"], b["position_ids_t"], ticket=b.get("ticket"))
         if self.d.device.type == "cuda":
             torch.cuda.synchronize(self.d.device)
         return cap
@@ -252,6 +309,9 @@ class Trainer:
         rank; the remaining micro-batches are still drawn (no capture), so the data stream stays where
         an uninterrupted run has it."""
         t0 = time.perf_counter()
+        self.beats.beat(self.step + 1, "step_start")
+        if self.cfg.target.source == "vllm":  # what the checkpoint after a lost server keeps
+            self.step_start = (self.sampler.state_dict(), rng_state())
         n = self.cfg.train.grad_accum_steps
         check = self.step == 0 or (self.step + 1) % self.cfg.train.agreement_every == 0
         agreement = None
@@ -265,6 +325,7 @@ class Trainer:
             if not features_ok:
                 continue
             cap = self.capture(b)
+            self.beats.beat(self.step + 1, "captured")
             features_ok = self.features_finite(cap)
             if check and i == 0 and features_ok:
                 agreement = self.target_agreement(b, cap)
@@ -275,6 +336,7 @@ class Trainer:
                 for k, v in metrics.items():  # speculators' sums and totals add over micro-batches
                     sums[k] = sums[k] + v if k in sums else v
             del cap
+        self.beats.beat(self.step + 1, "backward_done")
         if features_ok:
             result = self.optimizer_step(torch.stack(losses).mean(), sums)
         else:  # every rank skips together (no half-done DDP backward)
@@ -293,12 +355,16 @@ class Trainer:
             done=t2,
         )
         self.tokens += m["batch_tokens"]
+        if hasattr(self.source, "take_counters"):  # a streamed source: the step's wait for it, bytes read
+            wait_s, m["hs_bytes"], m["hs_tokens"] = self.source.take_counters()
+            m["hs_wait_s"] = round(wait_s, 4)
         if agreement is not None:
             m["target_agreement"] = agreement
         if not features_ok:
             m["problem"] = "nonfinite_target"
         elif not result.finite:
             m["problem"] = "nonfinite_loss"
+        self.beats.beat(self.step + 1, "step_done", step_s=t2 - t0)
         return m
 
     # -------------------------------------------------------------- run
@@ -316,6 +382,9 @@ class Trainer:
                 "world_size": d.world_size,
                 "device": str(d.device),
                 "target_devices": [str(x) for x in d.target_devices],
+                "source": cfg.target.source,
+                "source_url": getattr(self.source, "url", None),
+                "source_server_pid": getattr(getattr(self.source, "server", None), "pid", None),
                 "gpus_per_copy": cfg.target.gpus_per_copy,
                 "precision": "bf16-autocast" if self._bf16 else "fp32",
                 "aux_ids": cfg.drafter.aux_ids,
@@ -342,7 +411,8 @@ class Trainer:
         )
         status, code = "completed", ExitCode.OK
         t_start = time.monotonic()
-        health = RunHealth(cfg, self.emit, self.log)
+        beats = self.beats
+        health = RunHealth(cfg, self.emit, self.log, where=beats.laggards if beats.enabled else None)
         watchdog = StallWatchdog(health.on_stall, cfg.train.stall_factor, cfg.train.stall_min_s).start()
         try:
             while self.step < total:
@@ -354,6 +424,8 @@ class Trainer:
                     break
                 m.pop("finite")
                 if self.step % cfg.train.log_every == 0 or self.step == total:
+                    if self.multi_node and d.is_main:  # each node's progress, for the monitor
+                        m["nodes"] = beats.nodes()
                     self.emit("step", step=self.step, total_steps=total, tokens=self.tokens, **m)
                     if (
                         self.step % max(1, cfg.train.log_every * 10) == 0
@@ -372,6 +444,11 @@ class Trainer:
                     break
         except BaseException as exc:
             status, code = "failed", ExitCode.FAILED
+            if isinstance(exc, VllmServerError):  # on every rank at once (capture)
+                # the server is gone for good (retries spent): keep what was trained, then exit 1 so
+                # that the service restarts the run, which resumes at the failed step
+                self.log(f"hidden-state server lost at step {self.step + 1}: final checkpoint, then exit")
+                self.save("source_failed", at_step_start=True)
             self.emit(
                 "run_end",
                 status=status,
@@ -398,12 +475,13 @@ class Trainer:
         return int(code)
 
     def close(self) -> None:
-        """Drop DDP, the optimizer (ZeRO holds the process group too) and the models before the
-        process group is destroyed: left to interpreter shutdown, gloo's threads were sometimes
-        still joinable when their owner died ("terminate called without an active exception",
-        SIGABRT after a completed run, about 1 in 6 two-rank CPU runs)."""
+        """Stop the source (a vLLM source's requests, and the server it started) and drop DDP, the
+        optimizer (ZeRO holds the process group too) and the models."""
         import gc
 
+        source = self.__dict__.get("source")
+        if hasattr(source, "close"):  # a vLLM source: its requests, and the server it started
+            source.close()
         for name in ("model", "sharding", "optimizer", "scheduler", "drafter", "source"):
             self.__dict__.pop(name, None)
         gc.collect()
@@ -457,8 +535,24 @@ def train(cfg: RunConfig, skip_preflight: bool = False) -> int:
     trainer.build()
     trainer.resume()
     try:
-        return trainer.run(stop)
+        code = trainer.run(stop)
     finally:
         trainer.close()
-        if d.enabled and dist.is_initialized():
-            dist.destroy_process_group()
+    if d.enabled and dist.is_initialized():
+        leave_without_teardown(code)
+    return code
+
+
+def leave_without_teardown(code: int) -> None:
+    """End a rank of a finished distributed run at once, skipping interpreter and C++ teardown.
+
+    Every collective is over (the run's last checkpoint ends in a barrier) and every file this
+    process wrote is closed (events are written by open/append/close). What is left is gloo's
+    teardown: destroying the process group, or leaving it to interpreter shutdown, sometimes
+    found a worker std::thread still joinable ("terminate called without an active exception",
+    SIGABRT after a completed run: torchrun then reports the whole run failed). A run that
+    raised does not come here; its traceback and exit code go the usual way."""
+    dist.barrier()  # no rank leaves while another still needs it
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(int(code))

