@@ -9,6 +9,7 @@ sleeping Python module named sglang.launch_server (salvage must report it and le
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -17,6 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.conftest import wait_for, write_config
@@ -665,6 +667,49 @@ def test_stop_timeout_is_loud_and_a_dead_run_is_said(tmp_path):
     EventWriter(dead, "r2").emit("run_start", schema_version=1, config={}, pid=stuck.pid)
     res = dflash("stop", "--run-dir", dead, "--json", check_rc=1)
     assert json.loads(res.stdout)["state"] == "dead"
+
+
+def test_stop_ends_the_runs_own_vllm_server_left_behind_by_a_crashed_trainer(tmp_path):
+    """A target.source vllm run records the server it started (run_start layout.source_server_pid). Its
+    trainer killed -9 leaves that server running, holding the target's GPUs: salvage stop stops it (no
+    --stop-unknown needed), while another vLLM server on the node is only reported."""
+    from trainer.events import EventWriter
+
+    script = tmp_path / "vllm_serve_standin.py"  # a python program whose name says vllm, as a server's does
+    script.write_text("import time\nprint('ready', flush=True)\nwhile True: time.sleep(1)\n")
+
+    def orphan(name: str) -> psutil.Process:
+        """The stand-in started by a shell that exits at once: reparented as a crashed trainer's server is."""
+        log = tmp_path / f"{name}.log"
+        pid = subprocess.run(["sh", "-c", f"{sys.executable} {script} >{log} 2>&1 & echo $!"],
+                             capture_output=True, text=True, check=True).stdout  # fmt: skip
+        assert wait_for(lambda: log.exists() and "ready" in log.read_text(), 30), f"{name} stand-in not up"
+        return psutil.Process(int(pid))
+
+    servers = [orphan("ours"), orphan("other")]
+    ours, other = servers
+    try:
+        crashed = subprocess.Popen([sys.executable, "-c", "pass"])
+        crashed.wait()
+        run = tmp_path / "run"
+        EventWriter(run, "r1").emit("run_start", schema_version=1, config={}, pid=crashed.pid,
+                                    layout={"source": "vllm", "source_server_pid": ours.pid})  # fmt: skip
+        check = json.loads(dflash("stop", "--run-dir", run, "--check", "--json", check_rc=1).stdout)
+        assert check["others_planned"] == [{"pid": ours.pid, "what": "vllm"}] and "others" not in check
+        assert ours.is_running(), "--check stops nothing"
+        res = dflash("stop", "--run-dir", run, "--json", check_rc=1)
+        rep = json.loads(res.stdout)
+        assert rep["state"] == "dead"
+        assert rep["others"] == [{"pid": ours.pid, "what": "vllm", "result": "exited after SIGTERM"}]
+        assert not ours.is_running()
+        assert other.is_running(), "a server that is not the run's is left running"
+        inv = json.loads(dflash("inventory", "--run-dir", run, "--json", check_rc=0).stdout)
+        row = next(p for p in inv["processes"] if p["pid"] == other.pid)
+        assert (row["kind"], row["action"]) == ("server", "report")
+    finally:
+        for s in servers:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                s.kill()
 
 
 def test_inventory_sessions_unknown_work_and_gpu_processes(tmp_path, monkeypatch):

@@ -52,8 +52,9 @@ def cmd_stop(args) -> int:
 
         save_step(args.out, "inventory", inv)
     rep = stop_trainer(args.run_dir, args.timeout, check=args.check)
-    if args.stop_unknown:
-        others = [p for p in inv["processes"] if p["action"] == "stop" and p["kind"] != "trainer"]
+    # after the trainer's final checkpoint: the run's own vLLM server (always), the rest with --stop-unknown
+    others = [p for p in inv["processes"] if p["action"] == "stop" and p["kind"] != "trainer"]
+    if others:
         rep["others_planned"] = [{"pid": p["pid"], "what": p["what"]} for p in others]
         if not args.check:
             rep["others"] = stop_others(inv)

@@ -166,8 +166,8 @@ def _own_lineage() -> set[int]:
     return pids
 
 
-def run_pids(run_dirs: list[Path]) -> dict[int, str]:
-    """pid -> run folder, for runs whose last run_start has no run_end after it (still running)."""
+def running_starts(run_dirs: list[Path]) -> dict[str, dict[str, Any]]:
+    """run folder -> its last run_start event, for runs with no run_end after it (still running)."""
     out = {}
     for d in run_dirs:
         evs = load_events(Path(d) / "events.jsonl")
@@ -175,11 +175,24 @@ def run_pids(run_dirs: list[Path]) -> dict[int, str]:
         if not starts:
             continue
         i = starts[-1]
-        if any(e.get("event") == "run_end" for e in evs[i + 1 :]):
-            continue
-        pid = evs[i].get("pid")
+        if not any(e.get("event") == "run_end" for e in evs[i + 1 :]):
+            out[str(d)] = evs[i]
+    return out
+
+
+def run_pids(run_dirs: list[Path]) -> dict[int, str]:
+    """pid -> run folder, for runs whose last run_start has no run_end after it (still running)."""
+    return {e["pid"]: d for d, e in running_starts(run_dirs).items() if isinstance(e.get("pid"), int)}
+
+
+def run_server_pids(run_dirs: list[Path]) -> dict[int, str]:
+    """pid -> run folder of the vLLM servers running runs started for themselves (target.source vllm,
+    `layout.source_server_pid` of their run_start): part of the run, stopped after its trainer."""
+    out = {}
+    for d, e in running_starts(run_dirs).items():
+        pid = (e.get("layout") or {}).get("source_server_pid")
         if isinstance(pid, int):
-            out[pid] = str(d)
+            out[pid] = d
     return out
 
 
@@ -197,6 +210,7 @@ def take_inventory(
         gpu_by_pid.setdefault(row["pid"], []).append(row)
     mine = _own_lineage()
     known_runs = run_pids(run_dirs or [])
+    run_servers = run_server_pids(run_dirs or [])
     now = time.time()
     procs: list[Proc] = []
     for p in psutil.process_iter(["pid", "name", "cmdline", "username", "create_time"]):
@@ -231,14 +245,14 @@ def take_inventory(
             info.get("username"),
             _joined(cmd) or f"[{name}]",
             started,
-            run_dir=known_runs.get(pid),
+            run_dir=known_runs.get(pid) or run_servers.get(pid),
         )
         if on_gpu:
             mems = [r["used_mib"] for r in on_gpu if r["used_mib"] is not None]
             proc.gpu_memory_mib = sum(mems) if mems else None
             proc.gpus = [r["gpu"] for r in on_gpu]
         procs.append(proc)
-    _decide(procs, stop_unknown, set(known_runs) if run_dirs else None)
+    _decide(procs, stop_unknown, set(known_runs) if run_dirs else None, set(run_servers))
     listed = {p.pid for p in procs}
     for pid, rows in gpu_by_pid.items():
         if pid not in listed:  # on the GPU but not visible here (another container / pid namespace)
@@ -271,9 +285,11 @@ def take_inventory(
     }
 
 
-def _decide(procs: list[Proc], stop_unknown: bool, run_pids_: set[int] | None) -> None:
+def _decide(
+    procs: list[Proc], stop_unknown: bool, run_pids_: set[int] | None, run_servers: set[int] = frozenset()
+) -> None:
     """run_pids_: pids recorded by the given run folders (None: no run folder given, every trainer
-    counts as the one to stop)."""
+    counts as the one to stop). run_servers: the vLLM servers those runs started for themselves."""
     trainer_pids = {p.pid for p in procs if p.kind == "trainer"}
     parents = {p.pid: _parent_pid(p.pid) for p in procs if p.kind == "trainer"}
 
@@ -301,6 +317,12 @@ def _decide(procs: list[Proc], stop_unknown: bool, run_pids_: set[int] | None) -
                 p.action, p.why = "report", "a worker of the trainer listed above: stopped with it"
             else:
                 p.action, p.why = "stop", "the trainer: SIGTERM, wait for its final checkpoint"
+        elif p.pid in run_servers:
+            p.action, p.why = (
+                "stop",
+                "the run's own hidden-state server (target.source vllm): SIGTERM after the trainer's final "
+                "checkpoint (its trainer normally stops it first)",
+            )
         elif p.kind in ("server", "unknown"):
             if stop_unknown:
                 p.action, p.why = "stop", "salvage_stop_unknown is true: SIGTERM after the trainer stopped"
