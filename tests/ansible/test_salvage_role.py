@@ -113,7 +113,10 @@ def test_salvage_playbook_on_a_real_host(bed, provisioned, runner, rgw, tiny_tar
     assert alive(trainer_pid) and alive(sglang_pid)
     assert not (host.root / "salvage").exists() and not any(fetch.rglob("*.json"))
     assert "Contents" not in s3c.list_objects_v2(Bucket="salvage", Prefix="role/")
-    stop = check.task_results("Stop the trainer and wait for its verified final checkpoint", "node-a")[0]
+    stop = check.task_results(
+        "Stop the trainer and wait for its verified final checkpoint (node 0 first in a multi-node run)",
+        "node-a",
+    )[0]
     assert f"would stop pid {trainer_pid}" in json.loads(stop["stdout"])["message"]
 
     first = runner.run("salvage.yml", inv, limit="node-a", extravars=secrets)

@@ -5,11 +5,13 @@ the group restarts, resumes from node 0's checkpoint and ends with weights bit-i
 running `torchrun --standalone --nproc-per-node 2` on the same data and seed."""
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import torch
@@ -18,6 +20,7 @@ from safetensors.torch import load_file
 
 from tests.ansible.test_trainer_service import wait_for
 from tests.integration.test_train import ENV
+from tests.s3servers import TEST_ACCESS_KEY, TEST_SECRET_KEY, client
 from trainer.checkpoint import read_latest
 from trainer.events import load_events
 
@@ -42,7 +45,7 @@ def node_rank_process(host):
 
 
 def test_two_hosts_train_one_run_and_survive_a_killed_node(
-    bed, provisioned, provision_vars, runner, reports, tmp_path
+    bed, provisioned, provision_vars, runner, reports, rgw, tmp_path
 ):
     a, b = bed.hosts["node-a"], bed.hosts["node-b"]
     link = bed.join("node-a", "node-b")
@@ -114,6 +117,7 @@ def test_two_hosts_train_one_run_and_survive_a_killed_node(
         starts = events(out_a, "run_start")
         assert len(starts) == 2 and starts[1]["resumed_from"], [s["resumed_from"] for s in starts]
         assert not (out_b / "checkpoints").exists() and not (out_b / "events.jsonl").exists()
+        salvage_the_group(bed, runner, rgw, tmp_path, done[0])
     finally:
         for h in (a, b):
             h.ssh(bed, ctl.format(root=h.root) + " shutdown", check=False)
@@ -139,3 +143,45 @@ def test_two_hosts_train_one_run_and_survive_a_killed_node(
     want = load_file(str(read_latest(tmp_path / "one-host") / "model.safetensors"))
     got = load_file(str(read_latest(out_a) / "model.safetensors"))
     assert [k for k in want if not torch.equal(want[k], got[k])] == [], "two hosts end elsewhere than one"
+
+
+def salvage_the_group(bed, runner, rgw, tmp_path, run_end) -> None:
+    """salvage.yml over both hosts once the run has ended: node 0 first (its events and checkpoints), then
+    node 1 (its node marker says its ranks ended with the run); both sets under one S3 prefix, each
+    fetched, pushed from the controller (radosgw), read back and verified, and each node can go."""
+    fetch = tmp_path / "fetched"
+    inv = bed.inventory(
+        tmp_path / "salvage-inv.yml",
+        group_vars={
+            "dflash_nodes": 2,
+            "trainer_service_run_name": "nodes",  # salvage_run_dir follows it: runs/nodes/out
+            "dflash_s3_bucket": "salvage",
+            "dflash_s3_prefix": "group",
+            "dflash_s3_endpoint_url": rgw.endpoint_url,
+            "salvage_push_from": "controller",
+            "salvage_fetch_dir": str(fetch),
+            "salvage_controller_dflash": str(Path(sys.executable).parent / "dflash"),
+        },
+    )
+    secrets = {"vault_s3_access_key_id": TEST_ACCESS_KEY, "vault_s3_secret_access_key": TEST_SECRET_KEY}
+    res = runner.run("salvage.yml", inv, limit="node-a,node-b", extravars=secrets)
+    assert res.ok(), res.stdout[-6000:]
+    first = "Stop the trainer and wait for its verified final checkpoint (node 0 first in a multi-node run)"
+    rest = "Then the other nodes' ranks (ended with node 0's stop; their node marker says how)"
+    stop_a = json.loads(res.task_results(first, "node-a")[0]["stdout"])
+    stop_b = json.loads(res.task_results(rest, "node-b")[0]["stdout"])
+    assert [r.get("skipped") for r in res.task_results(first, "node-b")] == [True]
+    assert stop_a["state"] == "not_running" and stop_a["checkpoint"] == run_end["last_checkpoint"]
+    assert stop_b["state"] == "follower_ended" and stop_b["end"]["status"] == "completed", stop_b
+    for host in ("node-a", "node-b"):
+        assert f"{host} can go" in res.task_results("The verdict", host)[0]["msg"]
+        verify = json.loads((fetch / host / ".salvage" / "verify.json").read_text())
+        assert verify["ok"], verify
+    keys = {
+        o["Key"]
+        for o in client(rgw.endpoint_url).list_objects_v2(Bucket="salvage", Prefix="group/")["Contents"]
+    }
+    ck = f"group/node-a-x2/node-a/run/checkpoints/{run_end['last_checkpoint']}/model.safetensors"
+    assert ck in keys and "group/node-a-x2/node-a/NOTES.md" in keys
+    assert {"group/node-a-x2/node-b/run/node.json", "group/node-a-x2/node-b/NOTES.md"} <= keys
+    assert not any(k.startswith("group/node-a-x2/node-b/run/checkpoints/") for k in keys)

@@ -8,6 +8,7 @@ gives a user is this test's first run."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -25,6 +26,7 @@ from tests.integration.test_train_ranks import COMMON, run_torchrun
 from trainer.sources.vllm_server import free_port
 
 pytestmark = pytest.mark.slow
+DFLASH = [sys.executable, "-m", "trainer.cli"]
 
 
 def node_command(
@@ -124,6 +126,10 @@ def test_two_node_ranks_train_like_one_node_and_survive_a_killed_node(tmp_path, 
     )
     got = final_weights(node0)
     assert [k for k in want if not torch.equal(want[k], got[k])] == [], "2 nodes x 1 differ from 1 node x 2"
+    marker = json.loads((node1 / "node.json").read_text())  # what salvage on node 1 finds of the run
+    assert (marker["node"], marker["status"], marker["step"]) == (1, "completed", 6)
+    stopped = salvage_stop(node1, rc=0)
+    assert stopped["state"] == "follower_ended" and stopped["ok"] and stopped["checkpoint"] is None
     last = events_of(node0, "step")[-1]["nodes"]  # each node's progress, from the ranks' heartbeats
     assert [(n["node"], n["ranks"], n["step"]) for n in last] == [(0, [0], 6), (1, [1], 6)]
     assert all(n["step_s"] > 0 and n["host"] for n in last)
@@ -174,3 +180,49 @@ def test_two_node_ranks_train_like_one_node_and_survive_a_killed_node(tmp_path, 
     }
     got = final_weights(k0)
     assert [k for k in want if not torch.equal(want[k], got[k])] == [], "the restarted run ends elsewhere"
+
+
+def salvage_stop(run_dir: Path, rc: int, *extra) -> dict:
+    res = subprocess.run([*DFLASH, "salvage", "stop", "--run-dir", str(run_dir),
+                          "--timeout", "120", "--json", *extra], env=ENV, capture_output=True, text=True,
+                         timeout=300, check=False)  # fmt: skip
+    assert res.returncode == rc, res.stdout[-3000:] + res.stderr[-3000:]
+    return json.loads(res.stdout)
+
+
+def test_salvage_on_the_second_node_stops_the_whole_run_with_node_0s_final_checkpoint(
+    tmp_path, tiny_target, tiny_data
+):
+    """`dflash salvage stop` on node 1 (no events there) finds the run's rank by the node marker and stops
+    it (SIGTERM to that rank): every rank agrees on the stop, rank 0 writes the final checkpoint on node 0,
+    both agents exit 0, and salvage on node 0 then finds the run ended there with that checkpoint."""
+    cfgs = [cfg_file(tmp_path, tiny_target, tiny_data, name=f"stop-node{r}", max_steps=100_000,
+                     checkpoint_every=100_000, max_anchors=512) for r in (0, 1)]  # fmt: skip
+    procs = start_nodes(cfgs)
+    n0, n1 = tmp_path / "stop-node0", tmp_path / "stop-node1"
+    try:
+        assert wait_for(lambda: (n0 / "events.jsonl").is_file() and len(events_of(n0, "step")) >= 2, 300)
+        inv = subprocess.run([*DFLASH, "salvage", "inventory", "--run-dir", str(n1), "--json"], env=ENV,
+                             capture_output=True, text=True, check=True)  # fmt: skip
+        rank = json.loads((n1 / "node.json").read_text())["pid"]
+        rows = {p["pid"]: p for p in json.loads(inv.stdout)["processes"]}
+        agent = psutil.Process(rank).ppid()  # node 1's torchrun: the run's, stopped; its rank goes with it
+        assert (rows[agent]["kind"], rows[agent]["action"]) == ("trainer", "stop"), rows[agent]
+        assert rows[rank]["kind"] == "trainer" and "stopped with it" in rows[rank]["why"], rows[rank]
+        check = salvage_stop(n1, 0, "--check")
+        assert check["state"] == "running" and check["method"] == {"how": "signal", "signal_pid": rank}
+        rep = salvage_stop(n1, 0)
+    except BaseException:
+        for p in procs:
+            kill_tree(p.pid)
+        raise
+    results = finish(procs, timeout=120)
+    assert [rc for rc, _ in results] == [0, 0], json.dumps(rep) + "\n".join(t[-3000:] for _, t in results)
+    assert rep["state"] == "follower_stopped" and rep["ok"] and rep["process_exited"], rep
+    end = events_of(n0, "run_end")[-1]
+    assert end["status"] == "stopped" and rep["end"]["step"] == end["step"] >= 2
+    saved = events_of(n0, "checkpoint")
+    assert saved[-1]["reason"] == "signal" and saved[-1]["step"] == end["step"]
+    on_node0 = salvage_stop(n0, 0)
+    assert on_node0["state"] == "not_running" and on_node0["checkpoint"] == saved[-1]["name"]
+    assert on_node0["checkpoint_problems"] == []

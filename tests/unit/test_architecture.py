@@ -33,6 +33,7 @@ LIGHT = (
     "trainer.events",
     "trainer.fsutil",
     "trainer.manifest",
+    "trainer.node_marker",
     "trainer.target",
     "trainer.checkpoint",
     "trainer.preflight",

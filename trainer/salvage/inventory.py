@@ -30,6 +30,7 @@ from typing import Any
 import psutil
 
 from trainer.events import load_events
+from trainer.node_marker import read_node_marker
 
 COMPUTE_APPS_QUERY = [
     "--query-compute-apps=pid,process_name,used_gpu_memory,gpu_uuid",
@@ -181,8 +182,14 @@ def running_starts(run_dirs: list[Path]) -> dict[str, dict[str, Any]]:
 
 
 def run_pids(run_dirs: list[Path]) -> dict[int, str]:
-    """pid -> run folder, for runs whose last run_start has no run_end after it (still running)."""
-    return {e["pid"]: d for d, e in running_starts(run_dirs).items() if isinstance(e.get("pid"), int)}
+    """pid -> run folder, for runs whose last run_start has no run_end after it (still running), and
+    on the other nodes of a multi-node run the rank their node marker names, while it runs."""
+    out = {e["pid"]: d for d, e in running_starts(run_dirs).items() if isinstance(e.get("pid"), int)}
+    for d in run_dirs:
+        marker = read_node_marker(d)
+        if marker is not None and marker.get("status") == "running":
+            out[marker["pid"]] = str(d)
+    return out
 
 
 def run_server_pids(run_dirs: list[Path]) -> dict[int, str]:

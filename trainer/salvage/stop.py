@@ -10,6 +10,9 @@
    then verify the final checkpoint (SHA256SUMS). A timeout is a failure stated loudly with the newest
    checkpoint that does verify, never a silent "done".
 
+On the other nodes of a multi-node run (no events there: only rank 0 writes them) the node marker
+`node.json` names the node's rank: stopping it stops the whole run the same way (`stop_follower`).
+
 Light side: psutil and the event stream; no torch.
 """
 
@@ -28,6 +31,7 @@ import psutil
 
 from trainer import checkpoint as ckpt
 from trainer.events import load_events, read_events
+from trainer.node_marker import read_node_marker
 from trainer.salvage import SalvageError
 from trainer.salvage.inventory import classify
 
@@ -134,9 +138,10 @@ def stop_trainer(
 ) -> dict[str, Any]:
     """Stop the run writing `run_dir`; returns the stop report (`ok` false on any doubt)."""
     run_dir = Path(run_dir)
-    if not (run_dir / "events.jsonl").is_file():
+    if not (run_dir / "events.jsonl").is_file() and read_node_marker(run_dir) is None:
         raise SalvageError(
-            f"{run_dir}/events.jsonl does not exist: not a dflash run folder (pass its out_dir)"
+            f"{run_dir}/events.jsonl (or a multi-node run's node.json) does not exist: not a dflash run "
+            "folder (pass its out_dir)"
         )
     if timeout_s <= 0:
         raise SalvageError(f"--timeout {timeout_s}: must be positive")
@@ -144,6 +149,9 @@ def stop_trainer(
     start, end = st["start"], st["end"]
     report: dict[str, Any] = {"run_dir": str(run_dir.resolve()), "check": check, "timeout_s": timeout_s}
     if start is None:
+        marker = read_node_marker(run_dir)
+        if marker is not None:  # another node than node 0 of a multi-node run
+            return _with_checkpoint(stop_follower(marker, report, timeout_s, check, poll_s), run_dir)
         report.update(state="never_started", ok=True, message="no run_start event: nothing ran here")
         return _with_checkpoint(report, run_dir)
     pid = start.get("pid")
@@ -232,6 +240,69 @@ def stop_trainer(
     if report.get("checkpoint_problems"):
         report["ok"] = False
         report["message"] += "; the checkpoint does NOT verify: " + "; ".join(report["checkpoint_problems"])
+    return report
+
+
+def stop_follower(
+    marker: dict[str, Any], report: dict[str, Any], timeout_s: float, check: bool, poll_s: float
+) -> dict[str, Any]:
+    """Stop this node's share of a multi-node run, found by its node marker (trainer/node_marker.py).
+    Any rank's SIGTERM is agreed by every rank before the next checkpoint decision, so the whole run
+    stops, rank 0 writes the final checkpoint on node 0, and this node's marker ends with status
+    `stopped`. When node 0 was stopped first, the marker already says so."""
+    run_dir = Path(report["run_dir"])
+    pid, node = marker["pid"], marker.get("node")
+    report.update(pid=pid, node=node)
+    where = f"node {node} of a multi-node run (its events and checkpoints are node 0's)"
+    if marker.get("status") != "running":
+        ok = marker.get("status") in ("stopped", "completed")
+        report.update(
+            state="follower_ended",
+            ok=ok,
+            end=marker,
+            message=f"{where}: its ranks ended ({marker.get('status')} at step {marker.get('step')})",
+        )
+        return report
+    if not _alive(pid, marker.get("time")):
+        report.update(
+            state="dead",
+            ok=False,
+            message=f"{where}: its rank (pid {pid}) is gone without ending (killed, crashed, or its group "
+            "lost a node): the run's newest checkpoint is node 0's",
+        )
+        return report
+    # SIGTERM to the rank itself, not to its torchrun or service: the rank ends with exit 0 like every
+    # other rank, so each node's agent sees its ranks succeed and ends cleanly (a signalled torchrun
+    # exits 1 and leaves the other nodes' agents waiting at their exit barrier; nothing restarts either way)
+    method = {"how": "signal", "signal_pid": pid}
+    report["method"] = method
+    if check:
+        report.update(state="running", ok=True, message=f"{where}: would stop pid {pid} via {method['how']}")
+        return report
+    t0 = time.monotonic()
+    _send(method, pid, report)
+    while time.monotonic() < t0 + timeout_s and _alive(pid, marker.get("time")):  # its last write done
+        time.sleep(poll_s)
+    report["waited_s"] = round(time.monotonic() - t0, 3)
+    end = read_node_marker(run_dir) or marker
+    report["end"] = end
+    if end.get("status") == "running" and _alive(pid, marker.get("time")):
+        report.update(
+            state="timeout",
+            ok=False,
+            message=f"TIMEOUT: {where}: pid {pid} got SIGTERM ({method['how']}) but did not end within "
+            f"{timeout_s:.0f}s; it is STILL RUNNING",
+        )
+    elif end.get("status") == "running":
+        report.update(state="died", ok=False, message=f"{where}: pid {pid} exited without ending its share")
+    else:
+        report.update(
+            state="follower_stopped",
+            ok=end.get("status") in ("stopped", "completed"),
+            message=f"{where}: its ranks ended ({end.get('status')} at step {end.get('step')}); the final "
+            "checkpoint is node 0's",
+        )
+    report["process_exited"] = not _alive(pid, marker.get("time"))
     return report
 
 

@@ -25,6 +25,7 @@ from trainer import checkpoint as ckpt
 from trainer.config import RunConfig, dump_config
 from trainer.errors import ExitCode
 from trainer.events import EventWriter
+from trainer.node_marker import write_node_marker
 from trainer.sources.vllm_server import VllmServerError
 from trainer.training.distributed import (
     NODE_RANK_ENV,
@@ -35,6 +36,7 @@ from trainer.training.distributed import (
     setup_dist,
 )
 from trainer.training.health import RunHealth, features_finite, target_agreement
+from trainer.training.liveness import Heartbeats
 from trainer.training.metrics import StepResult, merge_batches, step_metrics
 from trainer.training.sharding import Sharding
 from trainer.training.shutdown import StallWatchdog, StopRequest
@@ -66,7 +68,6 @@ class Trainer:
             share_target_embedding,
         )
         from trainer.sources import make_source
-        from trainer.training.liveness import Heartbeats
 
         cfg, d = self.cfg, self.d
         seed_all(cfg.train.seed)
@@ -411,6 +412,7 @@ class Trainer:
         )
         status, code = "completed", ExitCode.OK
         t_start = time.monotonic()
+        self.mark_node("running")
         beats = self.beats
         health = RunHealth(cfg, self.emit, self.log, where=beats.laggards if beats.enabled else None)
         watchdog = StallWatchdog(health.on_stall, cfg.train.stall_factor, cfg.train.stall_min_s).start()
@@ -458,6 +460,7 @@ class Trainer:
                 wall_s=round(time.monotonic() - t_start, 3),
             )
             self.log(f"run failed at step {self.step}: {type(exc).__name__}: {exc}")
+            self.mark_node(status)
             raise
         finally:
             watchdog.stop()
@@ -472,6 +475,7 @@ class Trainer:
             last_checkpoint=(ckpt.read_latest(cfg.out_dir).name if ckpt.read_latest(cfg.out_dir) else None),
         )
         self.log(f"run {status} at step {self.step}")
+        self.mark_node(status)
         return int(code)
 
     def close(self) -> None:
@@ -485,6 +489,14 @@ class Trainer:
         for name in ("model", "sharding", "optimizer", "scheduler", "drafter", "source"):
             self.__dict__.pop(name, None)
         gc.collect()
+
+    def mark_node(self, status: str) -> None:
+        """The first rank of every node but node 0 keeps the node's marker (salvage reads it there)."""
+        if self.multi_node and self.d.local_rank == 0 and not self.d.is_main:
+            if status == "running":
+                self.node_started = time.time()
+            node = int(os.environ[NODE_RANK_ENV])
+            write_node_marker(self.cfg.out_dir, node, self.node_started, status, self.step)
 
     def _stop_requested(self, stop: StopRequest) -> bool:
         return any_rank(stop.signum is not None, self.d)
