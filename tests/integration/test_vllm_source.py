@@ -99,12 +99,7 @@ def test_vllm_features_equal_the_hooked_ones(hs_server, hs_target, tmp_path):
     res = dflash("capture", "--compare", hooked, served, "--tolerance", "1e-5")
     assert res.returncode == 0 and "last" in res.stdout, res.stdout + res.stderr
     # the same check fails loudly on features of another layer: the hooked capture of aux [1, 2]
-    wrong = tmp_path / "wrong.safetensors"
-    res = dflash("capture", "--config", cfg, "--set", "drafter.aux_layer_ids=[1, 2]", "--source", "hooked",
-                 "--samples", 6, "--out", wrong)  # fmt: skip
-    assert res.returncode == 0, res.stderr[-3000:]
-    res = dflash("capture", "--compare", hooked, wrong)
-    assert res.returncode == 2 and "different layers" in res.stderr
+    assert_other_layers_refused(cfg, hooked, [1, 2], 6, tmp_path)
 
 
 def test_bf16_features_of_a_server_the_capture_starts_equal_the_hooked_ones_within_bf16_rounding(
@@ -121,15 +116,20 @@ def test_bf16_features_of_a_server_the_capture_starts_equal_the_hooked_ones_with
     res = dflash("capture", "--compare", hooked, served, "--tolerance", BF16_TOLERANCE)
     print(res.stdout)
     assert res.returncode == 0, res.stdout + res.stderr
-    wrong = tmp_path / "wrong.safetensors"
-    res = dflash("capture", "--config", cfg, "--set", "drafter.aux_layer_ids=[2, 3]", "--source", "hooked",
-                 "--samples", 4, "--out", wrong)  # fmt: skip
-    assert res.returncode == 0, res.stderr[-3000:]
-    res = dflash("capture", "--compare", served, wrong)
-    assert res.returncode == 2 and "different layers" in res.stderr
+    assert_other_layers_refused(cfg, served, [2, 3], 4, tmp_path)
 
 
 BF16_TOLERANCE = 0.025
+
+
+def assert_other_layers_refused(cfg: Path, capture: Path, aux: list[int], samples: int, tmp_path) -> None:
+    """`--compare` of `capture` with a hooked capture of other aux layers exits 2 and names the layers."""
+    wrong = tmp_path / "wrong.safetensors"
+    res = dflash("capture", "--config", cfg, "--set", f"drafter.aux_layer_ids={aux}", "--source", "hooked",
+                 "--samples", samples, "--out", wrong)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    res = dflash("capture", "--compare", capture, wrong)
+    assert res.returncode == 2 and "different layers" in res.stderr
 
 
 def test_training_through_the_server_learns_and_reloads_in_speculators(hs_server, hs_target, tmp_path):
