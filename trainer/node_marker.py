@@ -3,7 +3,7 @@
 Only global rank 0 (on node 0) writes events and checkpoints. The first rank of each other node writes
 this small record at the start and at the end of its share of the run (node rank, host, its pid and
 start time, status, step), so that `dflash salvage` on that node can find the run's process there, stop
-it the way it was started, and tell a clean end from a crash. Light: stdlib only.
+it (SIGTERM to that rank stops the whole run), and tell a clean end from a crash. Light: stdlib only.
 """
 
 from __future__ import annotations
