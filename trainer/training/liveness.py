@@ -48,7 +48,9 @@ class Heartbeats:
             return
         value = {"step": step, "phase": PHASES.index(phase), "node": self.node, "host": self.host}
         if step_s is not None:
-            value["step_s"] = round(step_s, 4)
+            self.last_step_s = round(step_s, 4)
+        if getattr(self, "last_step_s", None) is not None:  # every phase's beat keeps the last step's time
+            value["step_s"] = self.last_step_s
         self.store.set(KEY.format(rank=self.d.rank), json.dumps(value))
 
     def read(self) -> list[dict[str, Any]]:
