@@ -38,6 +38,7 @@ class Heartbeats:
         self.store = store if store is not None else (default_store() if d.enabled else None)
         self.node = int(os.environ.get(NODE_RANK_ENV, "0")) if node is None else node
         self.host = host or socket.gethostname()
+        self.last_step_s: float | None = None
 
     @property
     def enabled(self) -> bool:
@@ -49,7 +50,7 @@ class Heartbeats:
         value = {"step": step, "phase": PHASES.index(phase), "node": self.node, "host": self.host}
         if step_s is not None:
             self.last_step_s = round(step_s, 4)
-        if getattr(self, "last_step_s", None) is not None:  # every phase's beat keeps the last step's time
+        if self.last_step_s is not None:  # every phase's beat keeps the last step's time
             value["step_s"] = self.last_step_s
         self.store.set(KEY.format(rank=self.d.rank), json.dumps(value))
 

@@ -239,16 +239,16 @@ class Trainer:
         source over several ranks, a server lost to one rank (its retries spent) is lost to all: they
         agree after each capture and raise together, so the final checkpoint (a collective) runs on
         every rank instead of the others waiting in the step's all-reduce."""
-        if self.cfg.target.source == "vllm" and self.d.enabled:
-            lost = None
-            try:
-                cap = self.source.capture(b["input_ids_t"], b["position_ids_t"], ticket=b.get("ticket"))
-            except VllmServerError as exc:
-                lost = exc
-            if any_rank(lost is not None, self.d):
-                raise lost or VllmServerError("the hidden-state server was lost to another rank")
-        else:
+        agree = self.cfg.target.source == "vllm" and self.d.enabled
+        lost = cap = None
+        try:
             cap = self.source.capture(b["input_ids_t"], b["position_ids_t"], ticket=b.get("ticket"))
+        except VllmServerError as exc:
+            if not agree:
+                raise
+            lost = exc
+        if agree and any_rank(lost is not None, self.d):
+            raise lost or VllmServerError("the hidden-state server was lost to another rank")
         if self.d.device.type == "cuda":
             torch.cuda.synchronize(self.d.device)
         return cap
