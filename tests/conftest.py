@@ -80,9 +80,12 @@ def tiny_prompts(count: int, seed: int = 0) -> list[list[int]]:
     return [rng.integers(3, 500, size=8).tolist() for _ in range(count)]
 
 
-def train_tiny_drafter(target: Path, data: Path, root: Path, aux_ids: list[int]) -> Path:
+def train_tiny_drafter(
+    target: Path, data: Path, root: Path, aux_ids: list[int], drafter: dict | None = None
+) -> Path:
     """A real `dflash train` run of 150 steps (block 8, one layer, lr 3e-3) tapping `aux_ids`; returns its
-    out_dir (`checkpoints/latest` is the drafter). About 20 s on 2 idle cores."""
+    out_dir (`checkpoints/latest` is the drafter). About 20 s on 2 idle cores. `drafter`: more
+    drafter keys (drafter.draft_vocab_size)."""
     import subprocess
     import sys
 
@@ -91,7 +94,13 @@ def train_tiny_drafter(target: Path, data: Path, root: Path, aux_ids: list[int])
         target,
         data,
         root / "run",
-        drafter={"num_layers": 1, "block_size": 8, "aux_layer_ids": aux_ids, "mask_token_id": 511},
+        drafter={
+            "num_layers": 1,
+            "block_size": 8,
+            "aux_layer_ids": aux_ids,
+            "mask_token_id": 511,
+            **(drafter or {}),
+        },
         train={
             "max_steps": 150,
             "lr": 3.0e-3,

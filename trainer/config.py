@@ -115,6 +115,14 @@ class DrafterConfig(_Section):
     warm_start: Path | None = Field(
         None, description="speculators checkpoint folder to take initial weights from (not a resume)"
     )
+    draft_vocab_size: int | None = Field(
+        None,
+        ge=2,
+        description="tokens the drafter's heads score (null: the target's whole vocabulary). Set: the "
+        "most frequent supervised tokens of data.path (speculators' mapping, ties by id), saved in "
+        "every checkpoint as t2d/d2t with the reduced head; each step's heads and loss cost this many "
+        "rows instead of the vocabulary (the frozen 49k-row head dominates a CPU step on SmolLM2)",
+    )
 
     @property
     def aux_ids(self) -> list[int]:
@@ -157,8 +165,35 @@ class TrainConfig(_Section):
         description="0: speculators' forward holds [anchors x block, vocab] logits and targets; N: heads and "
         "loss over N query rows at a time, recomputed in the backward (same loss; memory of N rows)",
     )
-    gamma: float = Field(7.0, gt=0, description="per-position loss decay exp(-(k-1)/gamma)")
-    max_anchors: int = Field(512, ge=1, description="anchored blocks sampled per packed batch")
+    position_weights: Literal["exp", "dpace"] = Field(
+        "exp",
+        description="per-position loss weights in a block: exp = exp(-(k-1)/gamma) (the DFlash paper); "
+        "dpace = D-PACE, each position weighted by the smoothed chance that the drafter's block is "
+        "still accepted there (speculators' dpace_loss_decay, dpace_alpha)",
+    )
+    gamma: float = Field(
+        7.0, gt=0, description="per-position loss decay exp(-(k-1)/gamma) (position_weights exp)"
+    )
+    dpace_alpha: float = Field(
+        0.5, gt=0, le=1, description="D-PACE confidence smoothing (position_weights dpace; speculators' 0.5)"
+    )
+    optimizer: Literal["adamw", "muon"] = Field(
+        "adamw",
+        description="adamw: AdamW on every trainable tensor; muon: torch's Muon on the 2-D weight "
+        "matrices (speculators' split: not embeddings or heads) and AdamW on the rest, one optimizer "
+        "state in the checkpoint, ZeRO-1 and FSDP2 alike",
+    )
+    muon_lr: float | None = Field(
+        None, gt=0, description="Muon's peak learning rate (null: train.lr; the schedule scales both)"
+    )
+    muon_momentum: float = Field(0.95, ge=0, lt=1, description="Muon's momentum (speculators' 0.95)")
+    muon_weight_decay: float = Field(0.1, ge=0, description="Muon's weight decay (speculators' 0.1)")
+    max_anchors: int = Field(
+        512,
+        ge=1,
+        description="anchored blocks sampled per packed batch: more anchors train more blocks on one "
+        "target forward (the memory model counts anchors x block query rows)",
+    )
     precision: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="auto: bf16 autocast on CUDA, float32 on CPU"
     )

@@ -46,8 +46,10 @@ def draft_layer_config(cfg: RunConfig):
 
 
 def build_drafter(cfg: RunConfig, device: torch.device, head_dtype: torch.dtype | None = None):
-    """A fresh drafter (or one warm-started from `drafter.warm_start`), trainable params fp32.
-    `head_dtype`: store the frozen heads in that dtype (bf16 under bf16 autocast, see cast_frozen_heads)."""
+    """A fresh drafter (or one warm-started from `drafter.warm_start`), trainable params fp32; with
+    `drafter.draft_vocab_size`, its heads are the target's rows of the data's most frequent
+    supervised tokens (trainer/draft_vocab.py). `head_dtype`: store the frozen heads in that dtype
+    (bf16 under bf16 autocast, see cast_frozen_heads)."""
     import logging
 
     from speculators.models.dflash import DFlashDraftModel
@@ -55,8 +57,15 @@ def build_drafter(cfg: RunConfig, device: torch.device, head_dtype: torch.dtype 
     logging.getLogger("speculators").setLevel(logging.WARNING)
     tl = draft_layer_config(cfg)
     vocab = int(tl.vocab_size)
+    mapping = {}
+    if cfg.drafter.draft_vocab_size is not None:  # the data's most frequent supervised tokens
+        from trainer.draft_vocab import draft_vocab_for
+
+        dv = draft_vocab_for(cfg.data.path, cfg.drafter.draft_vocab_size, vocab)
+        mapping, vocab = {"t2d": dv.t2d, "d2t": dv.d2t}, dv.size
     model = DFlashDraftModel.from_training_args(
         tl,
+        **mapping,
         draft_vocab_size=vocab,
         block_size=cfg.drafter.block_size,
         verifier_name_or_path=str(cfg.target.path),
@@ -64,6 +73,7 @@ def build_drafter(cfg: RunConfig, device: torch.device, head_dtype: torch.dtype 
         mask_token_id=cfg.drafter.mask_token_id,
         draft_attn_impl=resolve_attn_impl(cfg.drafter.attn_implementation, device),
     )
+    model.draft_vocab_coverage = dv.coverage if mapping else 1.0  # share of supervised tokens kept
     if list(model.target_layer_ids) != list(cfg.drafter.aux_ids):  # never silently rewired
         raise RuntimeError(f"drafter wired to {model.target_layer_ids}, config asks {cfg.drafter.aux_ids}")
     share_frozen_head(model)
@@ -174,6 +184,27 @@ def read_trainable_weights(model, path: Path) -> dict[str, torch.Tensor]:
                 f"{path}: {name} has shape {tuple(src.shape)}, the drafter needs {tuple(param.shape)}"
             )
     return {name: tensors[name] for name in want}
+
+
+def check_same_draft_vocab(model, path: Path) -> None:
+    """A resume continues the run's own draft vocabulary: the checkpoint's d2t must be the one the
+    drafter was built with from the data (a changed data.path or draft_vocab_size would silently score
+    other tokens with the trained layers)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        saved = f.get_tensor("d2t") if "d2t" in f.keys() else None
+    ours = model.d2t if model.use_draft_vocab else None
+    if saved is None and ours is None:
+        return
+    if saved is None or ours is None or not torch.equal(saved.to(ours.device), ours):
+        theirs = "none" if saved is None else f"{saved.shape[0]} tokens"
+        mine = "none" if ours is None else f"{ours.shape[0]} tokens"
+        raise ValueError(
+            f"{path}: the checkpoint's draft vocabulary ({theirs}) is not the one this run's data and "
+            f"drafter.draft_vocab_size give ({mine}): resume with the run's own data and "
+            "drafter.draft_vocab_size, or start a new out_dir"
+        )
 
 
 def load_trainable_weights(model, path: Path) -> None:

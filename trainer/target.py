@@ -270,6 +270,7 @@ class TargetInfo:
             draft_layers=d.num_layers if d else 1,
             draft_intermediate=d.intermediate_size if d else None,
             n_aux=len(d.aux_ids) if d else 1,
+            draft_vocab=d.draft_vocab_size if d else None,
         )
 
     def decoder_layer_params(self, intermediate: int | None = None) -> int:

@@ -126,6 +126,32 @@ def test_vllm_counts_the_harness_tau_and_a_causally_served_export_is_caught(
     )
 
 
+def test_a_draft_vocab_drafter_is_served_with_its_own_head_and_mapping(served_target, tmp_path):
+    """drafter.draft_vocab_size: the harness maps the reduced head's ids back to target ids (tau well
+    above 1: unmapped draft ids would almost never be the target's tokens), and vLLM loads the
+    checkpoint's own 128-row head and its d2t instead of the target's head (which would score target
+    ids as draft ids): vLLM counts the harness's tau and commits the same text."""
+    from trainer.demo.synth import greedy_dataset
+
+    data = greedy_dataset(served_target, tiny_prompts(48), 56, tmp_path / "ds")
+    run = train_tiny_drafter(served_target, data, tmp_path, [1, 3], drafter={"draft_vocab_size": 128})
+    start = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()][0]
+    assert start["layout"]["draft_vocab_size"] == 128
+    prompts = write_prompt_file(tmp_path / "p.jsonl", [{"input_ids": p} for p in tiny_prompts(6)])
+    out = tmp_path / "both" / "report.json"
+    res = dflash(
+        "eval", "--drafter", run, "--target", served_target, "--prompts", prompts,
+        "--max-new-tokens", 32, "--ignore-eos", "--check-lossless", 2, "--engine", "both", "--out", out,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rep = json.loads(out.read_text())
+    served, agree = rep["served"], rep["engine_agreement"]
+    print(f"draft vocab 128: harness tau {rep['tau']:.4f}, vLLM {served['tau']:.4f}")
+    assert rep["tau"] > 1.5 and rep["lossless"]["ok"]
+    assert agree["ok"] and abs(agree["difference"]) <= 0.1
+    assert all(p["served_tokens_match"] for p in rep["per_prompt"])
+
+
 def test_an_unknown_engine_and_vllm_with_the_reference_loop_are_refused(served_run, served_target, tmp_path):
     prompts = write_prompt_file(tmp_path / "p.jsonl", [{"input_ids": [5, 6, 7]}])
     base = ("eval", "--drafter", served_run, "--target", served_target, "--prompts", prompts, "--out")

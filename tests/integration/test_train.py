@@ -27,9 +27,19 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUF
 DFLASH = [sys.executable, "-m", "trainer.cli"]
 
 
-def cfg_file(tmp_path, tiny_target, tiny_data, name="run", **train):
+DRAFTER = {"num_layers": 1, "block_size": 4, "aux_layer_ids": [1, 2], "mask_token_id": 511}
+# the recipe's levers together: a 96-token draft vocabulary, Muon + AdamW, D-PACE position weights
+RECIPE = {"drafter": {"draft_vocab_size": 96}, "train": {"optimizer": "muon", "position_weights": "dpace"}}
+
+
+def cfg_file(tmp_path, tiny_target, tiny_data, name="run", drafter=None, **train):
     return write_config(
-        tmp_path / f"{name}.yaml", tiny_target, tiny_data, tmp_path / name, train={**FAST, **train}
+        tmp_path / f"{name}.yaml",
+        tiny_target,
+        tiny_data,
+        tmp_path / name,
+        train={**FAST, **train},
+        drafter={**DRAFTER, **(drafter or {})},
     )
 
 
@@ -101,6 +111,54 @@ def test_checkpoint_reloads_in_speculators(tmp_path, tiny_target, tiny_data):
     )
 
 
+def test_a_draft_vocab_checkpoint_keeps_its_own_head_in_speculators_export_and_eval(
+    tmp_path, tiny_target, tiny_data
+):
+    """drafter.draft_vocab_size: the checkpoint reloads in speculators with its reduced head and
+    mapping (never the target's head in its place), `dflash export` reloads it bit-identically, and
+    `dflash eval` maps its draft ids back to target ids: the lossless check holds."""
+    from speculators import SpeculatorModel
+
+    cfg = cfg_file(tmp_path, tiny_target, tiny_data, drafter={"draft_vocab_size": 96}, max_steps=3)
+    res = run_train(cfg)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    folder = read_latest(tmp_path / "run")
+    saved = load_file(str(folder / "model.safetensors"))
+    model = SpeculatorModel.from_pretrained(str(folder))
+    assert model.use_draft_vocab and model.lm_head.weight.shape[0] == 96
+    assert torch.equal(model.lm_head.weight, saved["lm_head.weight"]) and torch.equal(model.d2t, saved["d2t"])
+    target_head = load_file(str(tiny_target / "model.safetensors"))["lm_head.weight"]
+    kept = torch.arange(96) + saved["d2t"]
+    assert torch.equal(model.verifier_lm_head.weight, target_head[kept])
+    out = tmp_path / "export"
+    res = subprocess.run(
+        [*DFLASH, "export", "--checkpoint", str(tmp_path / "run"), "--out", str(out)],
+        env=ENV,
+        capture_output=True,
+        text=True,
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    exported = load_file(str(out / "model.safetensors"))
+    assert torch.equal(exported["lm_head.weight"], saved["lm_head.weight"]) and torch.equal(
+        exported["d2t"], saved["d2t"]
+    )
+    from tests.conftest import tiny_prompts
+    from trainer.eval.prompts import write_prompt_file
+
+    prompts = write_prompt_file(tmp_path / "p.jsonl", [{"input_ids": p} for p in tiny_prompts(3)])
+    report = tmp_path / "eval.json"
+    res = subprocess.run(
+        [*DFLASH, "eval", "--drafter", str(out), "--target", str(tiny_target), "--prompts", str(prompts)]
+        + ["--max-new-tokens", "16", "--ignore-eos", "--check-lossless", "3", "--out", str(report)],
+        env=ENV,
+        capture_output=True,
+        text=True,
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rep = json.loads(report.read_text())
+    assert rep["lossless"]["ok"] and rep["lossless"]["checked"] == 3
+
+
 def test_the_drafter_reads_the_targets_embedding_and_trains_what_its_own_copy_trains(
     tmp_path, tiny_target, tiny_data
 ):
@@ -128,10 +186,15 @@ def test_the_drafter_reads_the_targets_embedding_and_trains_what_its_own_copy_tr
     assert a.keys() == b.keys() and [k for k in a if not torch.equal(a[k], b[k])] == []
 
 
-def test_exact_resume_after_kill_9(tmp_path, tiny_target, tiny_data):
-    ref = cfg_file(tmp_path, tiny_target, tiny_data, name="ref", max_steps=12, checkpoint_every=4)
+@pytest.mark.parametrize("recipe", [{}, RECIPE], ids=["adamw", "muon-dpace-draft-vocab"])
+def test_exact_resume_after_kill_9(tmp_path, tiny_target, tiny_data, recipe):
+    """kill -9 in step 7 and a restart end with the uninterrupted run's bits: with AdamW, and with the
+    recipe's levers (Muon's momentum, AdamW's moments in one optimizer state, D-PACE, the draft
+    vocabulary's own head)."""
+    extra = {"drafter": recipe.get("drafter"), **recipe.get("train", {})}
+    ref = cfg_file(tmp_path, tiny_target, tiny_data, name="ref", max_steps=12, checkpoint_every=4, **extra)
     assert run_train(ref).returncode == 0
-    cfg = cfg_file(tmp_path, tiny_target, tiny_data, name="killed", max_steps=12, checkpoint_every=4)
+    cfg = cfg_file(tmp_path, tiny_target, tiny_data, name="killed", max_steps=12, checkpoint_every=4, **extra)
     out = tmp_path / "killed"
     proc = subprocess.Popen(  # step 7 never ends (tests/integration/hang_at_step.py): the kill lands in it
         [sys.executable, "-m", "tests.integration.hang_at_step", "train", "--config", str(cfg)],
@@ -155,6 +218,15 @@ def test_exact_resume_after_kill_9(tmp_path, tiny_target, tiny_data):
     assert a.keys() == b.keys()
     diff = [k for k in a if not torch.equal(a[k], b[k])]
     assert diff == [], f"resumed run differs from the uninterrupted one in {diff}"
+    layout = starts[-1]["layout"]
+    if recipe:
+        assert layout["optimizer"] == "Muon+AdamW" and layout["position_weights"] == "dpace"
+        assert layout["draft_vocab_size"] == 96 and {"d2t", "t2d", "lm_head.weight"} <= a.keys()
+        state = torch.load(read_latest(out) / "trainer_state.pt", weights_only=False)
+        kinds = {k for st in state["optimizer"]["state"].values() for k in st}
+        assert {"momentum_buffer", "exp_avg"} <= kinds, kinds
+    else:
+        assert layout["optimizer"] == "AdamW" and "lm_head.weight" not in a
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])

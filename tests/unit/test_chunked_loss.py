@@ -29,17 +29,27 @@ def _inputs(d, seed: int = 0):
     }
 
 
-def _run(module, params, inputs, loss_config, seed: int = 1):
+def _run(module, params, inputs, loss_config, seed: int = 1, weights: str = "fixed-exp-decay"):
     for p in params:
         p.grad = None
     torch.manual_seed(seed)  # the anchors are drawn at random: the same draw on both sides
-    _, loss, metrics = module(**inputs, loss_config=loss_config, gamma=4.0, max_anchors=ANCHORS)
+    _, loss, metrics = module(
+        **inputs, loss_config=loss_config, gamma=4.0, max_anchors=ANCHORS, per_position_loss_weight=weights
+    )
     loss.backward()
     return loss.detach(), {k: v.detach() for k, v in metrics.items()}, [p.grad.clone() for p in params]
 
 
-@pytest.mark.parametrize("loss", ["ce", "kl_div", '{"ce": 0.3, "kl_div": 0.7}'])
-def test_chunked_loss_equals_the_unchunked_forward(make_config, loss):
+@pytest.mark.parametrize(
+    "loss, weights",
+    [
+        ("ce", "fixed-exp-decay"),
+        ("kl_div", "fixed-exp-decay"),
+        ('{"ce": 0.3, "kl_div": 0.7}', "fixed-exp-decay"),
+        ("ce", "dpace"),
+    ],
+)
+def test_chunked_loss_equals_the_unchunked_forward(make_config, loss, weights):
     from speculators.losses import resolve_loss_config
 
     from trainer.drafter import build_drafter
@@ -49,8 +59,8 @@ def test_chunked_loss_equals_the_unchunked_forward(make_config, loss):
     params = [p for p in d.parameters() if p.requires_grad]
     inputs = _inputs(d)
     cfg = resolve_loss_config(loss, "eager")
-    ref_loss, ref_metrics, ref_grads = _run(d, params, inputs, cfg)
-    loss_c, metrics_c, grads_c = _run(ChunkedDraftLoss(d, CHUNK), params, inputs, cfg)
+    ref_loss, ref_metrics, ref_grads = _run(d, params, inputs, cfg, weights=weights)
+    loss_c, metrics_c, grads_c = _run(ChunkedDraftLoss(d, CHUNK), params, inputs, cfg, weights=weights)
     assert torch.allclose(loss_c, ref_loss, rtol=1e-6, atol=0), (float(loss_c), float(ref_loss))
     for a, b in zip(grads_c, ref_grads, strict=True):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-7), float((a - b).abs().max())
@@ -58,6 +68,8 @@ def test_chunked_loss_equals_the_unchunked_forward(make_config, loss):
     for k in ref_metrics:  # counts exactly, loss terms to rounding
         assert torch.allclose(metrics_c[k].float(), ref_metrics[k].float(), rtol=1e-6), k
     assert float(ref_metrics["full_acc_total"]) > 0, "no supervised row: the comparison would be empty"
+    if weights != "fixed-exp-decay":  # the weights reached the loss: not the exp-decay one
+        assert not torch.allclose(_run(d, params, inputs, cfg)[0], ref_loss)
 
 
 class RecordingHead(torch.nn.Module):

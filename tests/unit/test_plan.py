@@ -263,3 +263,28 @@ def test_auto_keeps_the_target_in_process_where_it_fits_and_vllm_needs_two_gpus(
     assert p["source"] == "hooked" and p["vllm"] is None and p["gpus_per_copy"] == 1
     one = plan("--gpu", "A100-40GB", "--gpu-count", 1, "--source", "vllm", rc=1)
     assert not one["fits"] and "at least 2 GPUs" in one["reason"]
+
+
+def test_a_draft_vocabulary_and_muon_shrink_the_plan_by_their_own_terms():
+    """--draft-vocab-size 32768 on the seeds' target: the logits and the frozen heads scale with it (two
+    heads of 32,768 rows in bf16 instead of one of 248,320), which lets a layout the whole vocabulary
+    does not fit (1 GPU per copy on A100-40GB) fit; --optimizer muon keeps one fp32 momentum per
+    weight-matrix element instead of AdamW's two moments; a size at or above the vocabulary is refused."""
+    full = plan("--gpu", "A100-40GB", "--gpu-count", 8)
+    small = plan("--gpu", "A100-40GB", "--gpu-count", 8, "--draft-vocab-size", 32768)
+    b, f = small["per_gpu_breakdown_gib"], full["per_gpu_breakdown_gib"]
+    assert b["logits"] == pytest.approx(f["logits"] * 32768 / 248320, abs=0.01)
+    assert b["drafter_frozen"] == pytest.approx((2 * 32768 * 5120 * 2 + 5120 * 4) / 2**30, abs=0.01)
+    assert small["gpus_per_copy"] < full["gpus_per_copy"] and small["fits"]
+    assert small["drafter"]["draft_vocab_size"] == 32768
+    one = plan("--gpu", "B200", "--gpu-count", 1)["per_gpu_breakdown_gib"]
+    muon = plan("--gpu", "B200", "--gpu-count", 1, "--optimizer", "muon")["per_gpu_breakdown_gib"]
+    assert muon["drafter_optimizer"] == pytest.approx(one["drafter_optimizer"] / 2, abs=0.02)
+    r = subprocess.run(
+        [sys.executable, "-m", "trainer.cli", "plan", "--target-config", QWEN, "--gpu", "B200"]
+        + ["--gpu-count", "1", "--draft-vocab-size", "248320"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert r.returncode == 2 and "--draft-vocab-size 248320" in r.stderr, r.stderr

@@ -672,3 +672,20 @@ def test_a_vllm_url_that_is_not_http_is_a_config_error(make_config):
 
     with pytest.raises(ConfigError, match="http:// or https://"):
         load_config(make_config(), ["target.source=vllm", "target.vllm.url=127.0.0.1:8100"])
+
+
+def test_a_draft_vocabulary_is_checked_against_the_vocabulary_and_the_datas_tokens(make_config):
+    """drafter.draft_vocab_size at the vocabulary is refused; a size that keeps too few of the supervised
+    tokens warns with the share (the drafter can never propose the rest); a generous one is quiet and
+    reports its coverage."""
+    assert_problem(
+        preflight(make_config, drafter={"draft_vocab_size": 512}),
+        "config.draft_vocab_too_large",
+        "512",
+        "(512)",
+    )
+    low = preflight(make_config, drafter={"draft_vocab_size": 8})
+    assert low.ok and low.data["draft_vocab_coverage"] < 0.95
+    assert_problem(low, "data.draft_vocab_coverage_low", "drafter.draft_vocab_size 8 keeps", warning=True)
+    wide = preflight(make_config, drafter={"draft_vocab_size": 500})
+    assert "data.draft_vocab_coverage_low" not in wide.codes() and wide.data["draft_vocab_coverage"] >= 0.95

@@ -178,6 +178,18 @@ def register(sub) -> None:
         action="store_true",
         help="train.activation_checkpointing: recompute the draft layers in the backward",
     )
+    p.add_argument(
+        "--draft-vocab-size",
+        type=int,
+        default=None,
+        help="drafter.draft_vocab_size: heads and logits over this many tokens (default: the vocabulary)",
+    )
+    p.add_argument(
+        "--optimizer",
+        choices=["adamw", "muon"],
+        default="adamw",
+        help="train.optimizer: muon keeps one momentum per weight-matrix element instead of two moments",
+    )
     p.add_argument("--samples", type=int, default=902_000, help="training samples (default: the seeds' 902K)")
     p.add_argument("--mean-tokens", type=float, default=2000, help="mean tokens per sample (default 2000)")
     p.add_argument("--epochs", type=float, default=1.0)

@@ -176,7 +176,7 @@ def uncatalogued_gpu(name: str, memory_gib: float) -> dict[str, Any]:
     return {"smi_name": name, "memory_gib": memory_gib, "bf16_tflops": None, "link": "unknown"}
 
 
-def shapes(t: TargetShape, draft_layers: int, n_aux: int) -> Shapes:
+def shapes(t: TargetShape, draft_layers: int, n_aux: int, draft_vocab: int | None = None) -> Shapes:
     return Shapes(
         target_params=t.params,
         target_dtype_bytes=DTYPE_BYTES[t.dtype],
@@ -188,6 +188,7 @@ def shapes(t: TargetShape, draft_layers: int, n_aux: int) -> Shapes:
         head_dim=t.head_dim,
         draft_layers=draft_layers,
         n_aux=n_aux,
+        draft_vocab=draft_vocab,
     )
 
 
@@ -208,13 +209,15 @@ class Recipe:
     loss_chunk_rows: int = 0
     shard: str | None = None
     activation_checkpointing: bool = False
+    draft_vocab: int | None = None  # drafter.draft_vocab_size
+    optimizer: str = "adamw"  # train.optimizer
 
 
 def per_gpu_bytes(
     t: TargetShape, n: int, dp: int, r: Recipe, shard: str, target_in_process: bool = True
 ) -> dict[str, float]:
     return per_device_bytes(
-        shapes(t, r.draft_layers, r.n_aux),
+        shapes(t, r.draft_layers, r.n_aux, r.draft_vocab),
         gpus_per_copy=n,
         data_parallel=dp,
         tokens=r.tokens,
@@ -224,6 +227,7 @@ def per_gpu_bytes(
         shard=shard,
         loss_chunk_rows=r.loss_chunk_rows,
         activation_checkpointing=r.activation_checkpointing,
+        optimizer=r.optimizer,
         share_embedding=ASSUMPTIONS["share_target_embedding"],
         target_in_process=target_in_process,
     )
@@ -572,6 +576,11 @@ def make_plan(args) -> dict[str, Any]:
         raise PlanError(f"--gpu-count must be >= 1, got {count}")
     if args.loss_chunk_rows < 0:
         raise PlanError(f"--loss-chunk-rows must be >= 0 (0: no chunking), got {args.loss_chunk_rows}")
+    if args.draft_vocab_size is not None and not 2 <= args.draft_vocab_size < target.vocab:
+        raise PlanError(
+            f"--draft-vocab-size {args.draft_vocab_size}: at least 2 and below the target's vocabulary "
+            f"({target.vocab})"
+        )
     n_aux = args.aux_layers
     recipe = Recipe(
         draft_layers=args.draft_layers,
@@ -582,6 +591,8 @@ def make_plan(args) -> dict[str, Any]:
         loss_chunk_rows=args.loss_chunk_rows,
         shard=None if args.shard == "auto" else args.shard,
         activation_checkpointing=args.activation_checkpointing,
+        draft_vocab=args.draft_vocab_size,
+        optimizer=args.optimizer,
     )
     source = args.source
     if source == "vllm" and args.gpus_per_copy:
@@ -639,6 +650,8 @@ def make_plan(args) -> dict[str, Any]:
             "tokens_per_batch": args.tokens_per_batch,
             "loss_chunk_rows": args.loss_chunk_rows,
             "activation_checkpointing": args.activation_checkpointing,
+            "draft_vocab_size": args.draft_vocab_size,
+            "optimizer": args.optimizer,
         },
         "assumptions": ASSUMPTIONS,
     }

@@ -12,8 +12,10 @@ What the trainer holds (loop.py + speculators' DFlashDraftModel, read from their
 - the drafter's trainable parameters in fp32 (decoder layers, fc, hidden_norm, norm) and their fp32
   gradients (under DDP views into its buckets, `gradient_as_bucket_view`: no second copy); on CUDA
   bf16 autocast keeps a bf16 cast of each trainable weight alive for the backward;
-- AdamW's two fp32 moments: on every rank with plain AdamW (`train.shard: none`), 1/data_parallel of
-  them per rank with ZeRO-1 (`optimizer`, torch's ZeroRedundancyOptimizer);
+- the optimizer's fp32 state: AdamW's two moments per parameter, or (`train.optimizer: muon`) Muon's
+  one momentum buffer per weight-matrix element and AdamW's two moments for the rest (norms); on
+  every rank with `train.shard: none`, 1/data_parallel per rank with ZeRO-1 (`optimizer`, torch's
+  ZeroRedundancyOptimizer);
 - `train.shard: full` (FSDP2, data_parallel > 1): weights, gradients and moments 1/data_parallel per
   rank, plus the gathered working set (`drafter_gathered`): the root group (fc and norms) whole for the
   step, one draft layer gathered and the next prefetched, in the compute dtype (bf16 on CUDA), and one
@@ -24,7 +26,8 @@ What the trainer holds (loop.py + speculators' DFlashDraftModel, read from their
   target's own embedding, counted in target_weights) and verifier_norm in fp32, and one vocab x
   hidden head shared by lm_head and verifier_lm_head (full vocabulary: both hold the target's
   lm_head), fp32 on CPU and bf16 under bf16 autocast, where autocast would cast it to bf16 for every
-  matmul anyway (trainer/drafter.py cast_frozen_heads);
+  matmul anyway (trainer/drafter.py cast_frozen_heads); with `drafter.draft_vocab_size` D, two
+  separate D x hidden heads (the target's rows of the kept tokens);
 - activations: the captured aux states (n_aux x tokens x hidden) and last hidden state, fc output,
   and per drafter layer `activation_copies` tensors of width hidden over context + query tokens
   plus the MLP's three intermediate-width tensors over the query tokens (query = anchors x block);
@@ -34,6 +37,7 @@ What the trainer holds (loop.py + speculators' DFlashDraftModel, read from their
   verifier targets whatever the loss; the fused (Triton, CUDA) loss adds only their gradient (bf16
   under autocast: 3 copies x 2 B), the eager loss (CPU) also keeps an fp32 log-softmax (4 x 4 B);
   with `train.loss_chunk_rows` N (trainer/training/chunked_loss.py) the same copies of N rows only;
+  with a draft vocabulary D columns instead of vocab;
 - a runtime reserve on CUDA (context, cuBLAS/NCCL workspaces).
 
 Every constant is in ASSUMPTIONS (echoed by `dflash plan --json`). Nothing here has been measured
@@ -54,6 +58,7 @@ ASSUMPTIONS: dict[str, Any] = {
     "trainable_bytes_per_param": {"weight": 4, "grad": 4, "autocast_copy_cuda": 2},
     "ddp_gradients": "views into DDP's buckets (gradient_as_bucket_view): no second copy",
     "adam_moment_bytes_per_param": 8,  # exp_avg + exp_avg_sq, fp32
+    "muon_momentum_bytes_per_param": 4,  # momentum_buffer, fp32 (train.optimizer muon: weight matrices)
     "shard_levels": {
         "none": "weights, gradients, moments whole on every rank",
         "optimizer": "moments / data_parallel (ZeRO-1)",
@@ -62,8 +67,8 @@ ASSUMPTIONS: dict[str, Any] = {
     "fsdp_gathered_layers": 2,  # the running draft layer and the prefetched next one
     "frozen": (
         "embed_tokens fp32 unless shared with the in-process target (train.share_target_embedding), "
-        "verifier_norm fp32; one head shared by lm_head/verifier_lm_head, "
-        "bf16 under bf16 autocast (CUDA), else fp32"
+        "verifier_norm fp32; one head shared by lm_head/verifier_lm_head (two draft-vocabulary heads "
+        "with drafter.draft_vocab_size), bf16 under bf16 autocast (CUDA), else fp32"
     ),
     "activation_copies": 4,  # saved tensors of width hidden per token and drafter layer
     "mlp_intermediate_copies": 3,  # gate, up, act*up
@@ -89,13 +94,34 @@ class Shapes:
     draft_layers: int = 1
     draft_intermediate: int | None = None  # default: the target's
     n_aux: int = 5
+    draft_vocab: int | None = None  # drafter.draft_vocab_size (None: the whole vocabulary)
 
     def decoder_layer_params(self, intermediate: int | None = None) -> int:
+        return self.decoder_layer_matrix_params(intermediate) + self._decoder_layer_vectors()
+
+    def decoder_layer_matrix_params(self, intermediate: int | None = None) -> int:
+        """The layer's weight matrices (q, k, v, o, gate, up, down): what Muon updates."""
         h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
-        attention = h * q + 2 * h * kv + q * h + (q + 2 * kv + h if self.attention_bias else 0)
-        mlp = 3 * h * (intermediate or self.intermediate)
-        norms = 2 * self.head_dim + 2 * h  # q_norm, k_norm, input and post-attention norms
-        return attention + mlp + norms
+        return h * q + 2 * h * kv + q * h + 3 * h * (intermediate or self.intermediate)
+
+    def _decoder_layer_vectors(self) -> int:
+        """Biases and norms (q_norm, k_norm, input and post-attention norms)."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        bias = q + 2 * kv + self.hidden if self.attention_bias else 0
+        return bias + 2 * self.head_dim + 2 * self.hidden
+
+    @property
+    def drafter_matrix_params(self) -> int:
+        """The trainable weight matrices (draft layers' and fc): Muon's share under train.optimizer muon."""
+        return (
+            self.draft_layers * self.decoder_layer_matrix_params(self.draft_intermediate)
+            + self.n_aux * self.hidden * self.hidden
+        )
+
+    @property
+    def head_rows(self) -> int:
+        """Rows of each frozen head: the draft vocabulary, else the whole vocabulary."""
+        return self.draft_vocab or self.vocab
 
     @property
     def drafter_trainable(self) -> int:
@@ -105,8 +131,10 @@ class Shapes:
 
     @property
     def drafter_frozen(self) -> int:
-        """embed_tokens + the shared lm_head/verifier_lm_head + verifier_norm."""
-        return 2 * self.vocab * self.hidden + self.hidden
+        """embed_tokens + lm_head/verifier_lm_head (one shared tensor with the whole vocabulary, two
+        draft-vocabulary ones) + verifier_norm."""
+        heads = 2 * self.draft_vocab * self.hidden if self.draft_vocab else self.vocab * self.hidden
+        return self.vocab * self.hidden + heads + self.hidden
 
 
 def per_device_bytes(
@@ -124,6 +152,7 @@ def per_device_bytes(
     activation_checkpointing: bool = False,
     share_embedding: bool = True,
     target_in_process: bool = True,
+    optimizer: str = "adamw",
 ) -> dict[str, float]:
     """Bytes on the first GPU of a target copy (or in host RAM for device="cpu"), by part.
 
@@ -136,6 +165,8 @@ def per_device_bytes(
         raise ValueError(f"device {device!r}: use cuda or cpu")
     if shard not in SHARD_LEVELS:
         raise ValueError(f"shard {shard!r}: use one of {', '.join(SHARD_LEVELS)}")
+    if optimizer not in ("adamw", "muon"):
+        raise ValueError(f"optimizer {optimizer!r}: use adamw or muon")
     a = ASSUMPTIONS
     cuda = device == "cuda"
     act = activation_bytes or (2 if cuda else 4)
@@ -154,6 +185,10 @@ def per_device_bytes(
         per_param = tb["weight"] + tb["grad"] + (tb["autocast_copy_cuda"] if cuda and act == 2 else 0)
         trainable, gathered = p * per_param, 0.0
     moment_shards = data_parallel if level in ("optimizer", "full") else 1
+    muon = s.drafter_matrix_params if optimizer == "muon" else 0
+    optimizer_state = (
+        muon * a["muon_momentum_bytes_per_param"] + (p - muon) * a["adam_moment_bytes_per_param"]
+    )
     loss = "fused" if cuda else "eager"
     # under bf16 autocast the frozen head is stored in bf16 (trainer/drafter.py cast_frozen_heads)
     head_bytes = 2 if cuda and act == 2 else 4
@@ -172,11 +207,11 @@ def per_device_bytes(
         "target_forward": here * forward,
         "drafter_trainable": trainable,
         "drafter_gathered": gathered,
-        "drafter_optimizer": p * a["adam_moment_bytes_per_param"] / moment_shards,
+        "drafter_optimizer": optimizer_state / moment_shards,
         # train.share_target_embedding: the in-process target's embedding serves the drafter too
         "drafter_frozen": (0 if share_embedding else s.vocab * s.hidden * 4)
         + s.hidden * 4
-        + s.vocab * s.hidden * head_bytes,
+        + (s.drafter_frozen - s.vocab * s.hidden - s.hidden) * head_bytes,
         "activations": (
             (s.n_aux + 1) * tokens * s.hidden * s.target_dtype_bytes  # captured aux + last
             + 2 * tokens * s.hidden * act  # fc output, hidden_norm
@@ -184,6 +219,8 @@ def per_device_bytes(
             + layers_act * act
         ),
         # train.loss_chunk_rows: one chunk's logits, targets and gradient at a time (chunked_loss.py)
-        "logits": min(q, loss_chunk_rows or q) * s.vocab * a["logit_bytes"][loss] * a["logit_copies"][loss],
+        "logits": (
+            min(q, loss_chunk_rows or q) * s.head_rows * a["logit_bytes"][loss] * a["logit_copies"][loss]
+        ),
         "runtime_reserve": a["runtime_reserve_gib_cuda"] * GIB if cuda else 0.0,
     }

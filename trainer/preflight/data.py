@@ -20,6 +20,7 @@ from trainer.target import TargetInfo
 
 # ---------------------------------------------------------------- data gate
 
+DRAFT_VOCAB_MIN_COVERAGE = 0.95  # warn below this share of supervised tokens in the draft vocabulary
 DROP_REASONS: dict[str, tuple[str, Callable[[RunConfig, DataStats], np.ndarray], str]] = {
     "no_supervised_pair": (
         "have no two consecutive supervised tokens (empty or one-token responses, all-zero loss_mask)",
@@ -57,6 +58,29 @@ def data_gate(cfg: RunConfig, target: TargetInfo | None, report: PreflightReport
     _short_check(cfg, stats, report)
     _drop_checks(cfg, stats, report)
     _token_checks(cfg, target, flat_values(ds, "input_ids"), report)
+    if (
+        cfg.drafter.draft_vocab_size is not None
+        and target is not None
+        and "data.token_out_of_vocab" not in report.codes()
+    ):
+        _draft_vocab_check(cfg, target, ds, report)
+
+
+def _draft_vocab_check(cfg: RunConfig, target: TargetInfo, ds, report: PreflightReport) -> None:
+    """The share of supervised tokens the draft vocabulary keeps: the drafter can never propose the
+    others (each costs the block there)."""
+    from trainer.draft_vocab import build_draft_vocab, supervised_token_counts
+
+    counts = supervised_token_counts(ds, target.vocab)
+    dv = build_draft_vocab(counts, cfg.drafter.draft_vocab_size)
+    report.data["draft_vocab_coverage"] = dv.coverage
+    if dv.coverage < DRAFT_VOCAB_MIN_COVERAGE:
+        report.warn(
+            "data.draft_vocab_coverage_low",
+            f"drafter.draft_vocab_size {dv.size} keeps {pct(dv.coverage)} of the supervised tokens "
+            f"({int(np.count_nonzero(counts))} distinct): the drafter can never propose the rest",
+            "raise drafter.draft_vocab_size, or null for the whole vocabulary",
+        )
 
 
 def _data_figures(cfg: RunConfig, stats: DataStats) -> dict[str, Any]:

@@ -121,6 +121,13 @@ def drafter_gate(cfg: RunConfig, target: TargetInfo | None, report: PreflightRep
             )
     if target is None:
         return
+    if d.draft_vocab_size is not None and d.draft_vocab_size >= target.vocab:
+        report.error(
+            "config.draft_vocab_too_large",
+            f"drafter.draft_vocab_size {d.draft_vocab_size} is not below the target's vocabulary "
+            f"({target.vocab}): nothing would be left out",
+            "set drafter.draft_vocab_size below the vocabulary (e.g. 32768), or null for the whole one",
+        )
     mask = d.mask_token_id
     if not 0 <= mask < target.vocab:
         report.error(

@@ -27,16 +27,18 @@ MEMORY_TIGHT_SHARE = 0.9  # warn above this share of the device's memory
 class DrafterSize:
     trainable: int  # decoder layers, fc, hidden_norm, norm
     frozen: int  # embed_tokens, the lm_head/verifier_lm_head it shares, verifier_norm (the target's)
+    saved_head: int = 0  # a draft-vocabulary lm_head, saved with the checkpoint (the target lacks it)
 
     @classmethod
     def estimate(cls, cfg: RunConfig, target: TargetInfo) -> DrafterSize:
         s = target.shapes(cfg)
-        return cls(trainable=s.drafter_trainable, frozen=s.drafter_frozen)
+        head = s.draft_vocab * s.hidden if s.draft_vocab else 0
+        return cls(trainable=s.drafter_trainable, frozen=s.drafter_frozen, saved_head=head)
 
     @property
     def checkpoint_bytes(self) -> int:
-        """fp32 weights + Adam state + small files."""
-        return self.trainable * (4 + ADAM_STATE_BYTES) + CHECKPOINT_OVERHEAD_BYTES
+        """fp32 weights + Adam state (an upper bound for Muon's) + a reduced head + small files."""
+        return self.trainable * (4 + ADAM_STATE_BYTES) + self.saved_head * 4 + CHECKPOINT_OVERHEAD_BYTES
 
 
 @dataclass(frozen=True)
@@ -98,6 +100,7 @@ def estimate_memory(
         activation_checkpointing=t.activation_checkpointing,
         share_embedding=t.share_target_embedding,
         target_in_process=cfg.target.source == "hooked",
+        optimizer=t.optimizer,
     )
 
 

@@ -6,11 +6,11 @@ speculators' DFlash forward applies `lm_head` to every query row (anchors x bloc
 `ChunkedDraftLoss` runs speculators' own backbone with both heads deferred (they return the hidden
 states they are given), then applies the heads and speculators' own per-position loss to `rows`
 rows at a time under activation checkpointing: the forward keeps no chunk's logits, the backward
-recomputes one chunk at a time. The masking, the position decay and the reduction are speculators'
-`compound_loss`; the accuracy and accepted-length metrics are its counters over argmaxes taken per
-chunk. Same loss and gradients as the unchunked forward up to float rounding (tests/unit/
-test_chunked_loss.py); the loss function itself (eager on CPU, the fused Triton kernels on CUDA) is
-the one `train.loss` selects, applied per chunk.
+recomputes one chunk at a time. The masking, the position weights (exp decay or D-PACE) and the
+reduction are speculators' `compound_loss`; the accuracy and accepted-length metrics are its
+counters over argmaxes taken per chunk. Same loss and gradients as the unchunked forward up to
+float rounding (tests/unit/test_chunked_loss.py); the loss function itself (eager on CPU, the fused
+Triton kernels on CUDA) is the one `train.loss` selects, applied per chunk.
 
 An `nn.Module` holding the drafter, so DDP wraps it like the drafter itself (the loop calls it with
 the drafter's own forward signature and gets speculators' `(None, loss, metrics)`)."""
@@ -91,8 +91,10 @@ class ChunkedDraftLoss(nn.Module):
         loss_config=None,
         gamma: float = 4.0,
         max_anchors: int = 512,
+        per_position_loss_weight: str = "fixed-exp-decay",
+        dpace_alpha: float = 0.5,
     ):
-        from speculators.losses import compound_loss, dflash_loss_decay
+        from speculators.losses import compound_loss, dflash_loss_decay, dpace_loss_decay
         from speculators.models.metrics import compute_accepted_length_counts, compute_accuracy_multi_step
 
         d = self.drafter
@@ -116,7 +118,10 @@ class ChunkedDraftLoss(nn.Module):
             name: (_per_position_chunked(fn, head, verifier_head, self.rows), weight)
             for name, (fn, weight) in loss_config.items()
         }
-        decay = partial(dflash_loss_decay, gamma=gamma, sample_from_anchor=from_anchor)
+        if per_position_loss_weight == "dpace":  # as speculators' dflash compute_metrics builds it
+            decay = partial(dpace_loss_decay, loss_mask=mask, block_size=block, dpace_alpha=dpace_alpha)
+        else:
+            decay = partial(dflash_loss_decay, gamma=gamma, sample_from_anchor=from_anchor)
         loss, term_losses = compound_loss(hidden, target_hidden, mask, pos_idx, chunked, decay_fn=decay)
 
         # the metrics speculators' compute_metrics reports, from ids taken per chunk

@@ -42,6 +42,9 @@ from trainer.training.sharding import Sharding
 from trainer.training.shutdown import StallWatchdog, StopRequest
 from trainer.training.state import rng_state, seed_all, set_rng_state
 
+# train.position_weights as speculators' DFlash forward names them
+POSITION_WEIGHTS = {"exp": "fixed-exp-decay", "dpace": "dpace"}
+
 
 # ---------------------------------------------------------------- the run
 class Trainer:
@@ -126,13 +129,14 @@ class Trainer:
                     "starting from step 0 (checkpoints are rank 0's)"
                 )
             return
-        from trainer.drafter import read_trainable_weights
+        from trainer.drafter import check_same_draft_vocab, read_trainable_weights
 
         lacking = [r for r, n in enumerate(names) if n != chosen]
         if lacking:
             folder = ckpt.checkpoints_dir(self.cfg.out_dir) / chosen
             sent = [None, None]
             if d.is_main:
+                check_same_draft_vocab(self.drafter, folder / "model.safetensors")
                 sent = [
                     ckpt.load_trainer_state(folder),
                     read_trainable_weights(self.drafter, folder / "model.safetensors"),
@@ -143,6 +147,7 @@ class Trainer:
         else:
             state = ckpt.load_trainer_state(folder)
             weights = read_trainable_weights(self.drafter, folder / "model.safetensors")
+            check_same_draft_vocab(self.drafter, folder / "model.safetensors")
         if not state["optimizer"].get("state"):
             raise ckpt.CheckpointError(
                 f"{folder}: optimizer state is empty: refusing a resume that restores nothing"
@@ -270,6 +275,8 @@ class Trainer:
                     loss_config=self.loss_config,
                     gamma=cfg.train.gamma,
                     max_anchors=cfg.train.max_anchors,
+                    per_position_loss_weight=POSITION_WEIGHTS[cfg.train.position_weights],
+                    dpace_alpha=cfg.train.dpace_alpha,
                 )
             (loss * scale).backward()
         return loss.detach(), {k: v.detach() for k, v in metrics.items()}
@@ -392,6 +399,9 @@ class Trainer:
                 "target_layers": self.source.num_layers,
                 "hidden_size": self.source.hidden_size,
                 "drafter_trainable_params": self.n_trainable,
+                "draft_vocab_size": int(self.drafter.draft_vocab_size),
+                "draft_vocab_coverage": round(float(self.drafter.draft_vocab_coverage), 6),
+                "position_weights": cfg.train.position_weights,
                 "optimizer": self.sharding.description,
                 "shard": self.sharding.level,
                 "activation_checkpointing": cfg.train.activation_checkpointing,
@@ -408,7 +418,9 @@ class Trainer:
         )
         self.log(
             f"run start: steps {self.step + 1}..{total}, world {d.world_size}, device {d.device}, "
-            f"{self.n_trainable / 1e6:.2f}M trainable drafter params, aux ids {cfg.drafter.aux_ids}"
+            f"{self.n_trainable / 1e6:.2f}M trainable drafter params, aux ids {cfg.drafter.aux_ids}, "
+            f"{self.sharding.description}, heads over {self.drafter.draft_vocab_size} tokens "
+            f"({self.drafter.draft_vocab_coverage:.1%} of the supervised tokens)"
         )
         status, code = "completed", ExitCode.OK
         t_start = time.monotonic()

@@ -10,13 +10,15 @@
   is nothing to reduce, and the loss reads all of them every step. On CUDA: bf16 parameters and
   compute, fp32 sharded master weights and fp32 reduce-scatter.
 
-With one rank every level is plain AdamW on the bare drafter. DDP is built with
-`gradient_as_bucket_view`: the gradients are views into its buckets instead of a second copy.
+With one rank every level is the plain optimizer (`train.optimizer`) on the bare drafter. DDP is
+built with `gradient_as_bucket_view`: the gradients are views into its buckets instead of a second
+copy.
 
 One interface for the loop, whatever the level: `wrap`, `accumulating` (gradients kept local for
 all but the last micro-batch), `clip_grad_norm`, and the checkpoint's `gather_state` / `load_state`:
-a checkpoint holds the full weights and plain AdamW's state (ids in trainable-parameter order)
-whatever the level, so it reloads in `SpeculatorModel.from_pretrained` and resumes the same run.
+a checkpoint holds the full weights and the optimizer's ordinary state dict (ids over its param
+groups in order: the trainable order under AdamW) whatever the level, so it reloads in
+`SpeculatorModel.from_pretrained` and resumes the same run.
 """
 
 from __future__ import annotations
@@ -29,12 +31,13 @@ from torch import nn
 
 from trainer.config import RunConfig
 from trainer.training.distributed import Dist
+from trainer.training.muon import MUON_STATE
 from trainer.training.state import make_optimizer
 
 DESCRIPTION = {
-    "none": "AdamW",
-    "optimizer": "ZeroRedundancyOptimizer(AdamW)",
-    "full": "FSDP2(AdamW)",
+    "none": "{}",
+    "optimizer": "ZeroRedundancyOptimizer({})",
+    "full": "FSDP2({})",
 }
 
 
@@ -55,12 +58,13 @@ class Sharding:
         self.d = d
         self.level = cfg.train.shard if d.enabled else "none"  # one rank: nothing to shard over
         self.bf16 = bf16
+        self.optimizer_name = {"adamw": "AdamW", "muon": "Muon+AdamW"}[cfg.train.optimizer]
         self.model: nn.Module | None = None
         self._prefix = ""
 
     @property
     def description(self) -> str:
-        return DESCRIPTION[self.level]
+        return DESCRIPTION[self.level].format(self.optimizer_name)
 
     # -------------------------------------------------------------- build
     def wrap(self, model: nn.Module, drafter: nn.Module) -> nn.Module:
@@ -95,8 +99,8 @@ class Sharding:
 
     def make_optimizer(self, cfg: RunConfig):
         """(optimizer, scheduler) over the wrapped model's trainable parameters (FSDP's are its
-        sharded DTensors, so AdamW's moments are sharded with them)."""
-        return make_optimizer(self.trainable(), cfg, zero=self.level == "optimizer")
+        sharded DTensors, so the optimizer's state is sharded with them)."""
+        return make_optimizer(self.model, cfg, zero=self.level == "optimizer")
 
     # -------------------------------------------------------------- a step
     @contextlib.contextmanager
@@ -121,13 +125,14 @@ class Sharding:
         return norm.full_tensor() if _is_dtensor(norm) else norm
 
     def local_moment_numel(self, optimizer) -> int:
-        """Elements of the Adam moments (exp_avg + exp_avg_sq) this rank holds."""
+        """Elements of the optimizer's moments this rank holds (AdamW's exp_avg + exp_avg_sq, Muon's
+        momentum_buffer)."""
         local = optimizer.optim if self.level == "optimizer" else optimizer
         return sum(
             _local(v).numel()
             for st in local.state.values()
             for k, v in st.items()
-            if k in ("exp_avg", "exp_avg_sq")
+            if k in ("exp_avg", "exp_avg_sq", *MUON_STATE)
         )
 
     def fingerprint(self) -> torch.Tensor:
@@ -145,9 +150,15 @@ class Sharding:
         p = self._prefix
         return [n[len(p) :] for n, q in self.model.named_parameters() if q.requires_grad]
 
+    def _optimizer_fqns(self, optimizer) -> list[str]:
+        """The model's names of the optimizer's parameters, over its groups in order: the ids of its
+        state dict (one group under AdamW: the trainable order; Muon + AdamW: AdamW's, then Muon's)."""
+        name = {id(q): n for n, q in self.model.named_parameters()}
+        return [name[id(q)] for g in optimizer.param_groups for q in g["params"]]
+
     def gather_state(self, optimizer) -> tuple[dict[str, torch.Tensor] | None, dict[str, Any] | None]:
         """What a checkpoint saves, on rank 0: (the drafter's full state dict for `save_pretrained`,
-        None where the drafter itself holds it whole; plain AdamW's state dict). (None, None) on the
+        None where the drafter itself holds it whole; the optimizer's state dict). (None, None) on the
         other ranks. A collective under FSDP and ZeRO (every rank calls it)."""
         if self.level == "full":
             from torch.distributed.checkpoint.state_dict import (
@@ -163,7 +174,7 @@ class Sharding:
                 return None, None
             p = self._prefix
             weights = {k[len(p) :]: v for k, v in weights.items() if k.startswith(p)}
-            return weights, _fqn_to_ids(osd, [p + n for n in self._names()])
+            return weights, _fqn_to_ids(osd)
         if self.level == "optimizer":
             optimizer.consolidate_state_dict(to=0)
         if not self.d.is_main:
@@ -171,7 +182,7 @@ class Sharding:
         return None, optimizer.state_dict()
 
     def load_state(self, weights: dict[str, torch.Tensor], optimizer, osd: dict[str, Any]) -> None:
-        """Load a checkpoint's full trainable weights and AdamW state (every rank reads it whole;
+        """Load a checkpoint's full trainable weights and optimizer state (every rank reads it whole;
         FSDP and ZeRO keep their share)."""
         names = self._names()
         if self.level == "full":
@@ -185,7 +196,7 @@ class Sharding:
             p = self._prefix
             set_model_state_dict(self.model, {p + n: weights[n] for n in names}, options=opts)
             set_optimizer_state_dict(
-                self.model, optimizer, _ids_to_fqn(osd, [p + n for n in names]), options=opts
+                self.model, optimizer, _ids_to_fqn(osd, self._optimizer_fqns(optimizer)), options=opts
             )
             return
         with torch.no_grad():
@@ -205,15 +216,15 @@ def _checksum(t: torch.Tensor, chunk: int = 1 << 24) -> torch.Tensor:
     return total
 
 
-def _fqn_to_ids(osd: dict[str, Any], fqns: list[str]) -> dict[str, Any]:
-    """torch.distributed.checkpoint's optimizer state (keyed by parameter name) as AdamW's own
-    (keyed by the parameter's index in the optimizer)."""
-    index = {n: i for i, n in enumerate(fqns)}
+def _fqn_to_ids(osd: dict[str, Any]) -> dict[str, Any]:
+    """torch.distributed.checkpoint's optimizer state (keyed by parameter name) as the optimizer's own
+    state dict (keyed by the parameter's index over the groups in order, as `Optimizer.state_dict`)."""
+    index = {n: i for i, n in enumerate(n for g in osd["param_groups"] for n in g["params"])}
     groups = [{**g, "params": [index[n] for n in g["params"]]} for g in osd["param_groups"]]
     return {"state": {index[n]: st for n, st in osd["state"].items()}, "param_groups": groups}
 
 
 def _ids_to_fqn(osd: dict[str, Any], fqns: list[str]) -> dict[str, Any]:
-    """The inverse of `_fqn_to_ids`."""
+    """The inverse of `_fqn_to_ids`: `fqns` are the names in the optimizer's group order."""
     groups = [{**g, "params": [fqns[i] for i in g["params"]]} for g in osd["param_groups"]]
     return {"state": {fqns[int(i)]: st for i, st in osd["state"].items()}, "param_groups": groups}

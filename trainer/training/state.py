@@ -1,6 +1,6 @@
-"""The run state besides the weights: the optimizer (AdamW; ZeRO-1 sharded over the ranks, whole, or
-over FSDP's sharded parameters: sharding.py) with its learning-rate schedule, and the RNG states
-(seeded, saved, restored for an exact resume)."""
+"""The run state besides the weights: the optimizer (AdamW, or Muon + AdamW; ZeRO-1 sharded over the
+ranks, whole, or over FSDP's sharded parameters: sharding.py) with its learning-rate schedule, and the
+RNG states (seeded, saved, restored for an exact resume)."""
 
 from __future__ import annotations
 
@@ -53,14 +53,28 @@ def lr_lambda(cfg: RunConfig):
     return f
 
 
-def make_optimizer(params: list[torch.nn.Parameter], cfg: RunConfig, zero: bool):
-    """(optimizer, scheduler): AdamW over `params` with the `lr_lambda` schedule. `zero`: ZeRO-1
-    (torch's ZeroRedundancyOptimizer), each rank keeps the moments of its share of the parameters."""
-    adamw = {"lr": cfg.train.lr, "betas": cfg.train.betas, "weight_decay": cfg.train.weight_decay}
+def make_optimizer(model: torch.nn.Module, cfg: RunConfig, zero: bool):
+    """(optimizer, scheduler) over `model`'s trainable parameters with the `lr_lambda` schedule:
+    AdamW (`train.optimizer: adamw`) or Muon on the 2-D weights + AdamW on the rest (`muon`, one
+    optimizer: trainer/training/muon.py). `zero`: ZeRO-1 (torch's ZeroRedundancyOptimizer), each rank
+    keeps the optimizer state of its share of the parameters."""
+    t = cfg.train
+    adamw = {"lr": t.lr, "betas": t.betas, "weight_decay": t.weight_decay}
+    if t.optimizer == "muon":
+        from trainer.training.muon import MuonWithAdamW, muon_param_groups
+
+        cls, params = MuonWithAdamW, muon_param_groups(model)
+        kwargs = adamw | {
+            "muon_lr": t.muon_lr,
+            "muon_momentum": t.muon_momentum,
+            "muon_weight_decay": t.muon_weight_decay,
+        }
+    else:
+        cls, params, kwargs = torch.optim.AdamW, [p for p in model.parameters() if p.requires_grad], adamw
     if zero:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        optimizer = ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, **adamw)
+        optimizer = ZeroRedundancyOptimizer(params, optimizer_class=cls, **kwargs)
     else:
-        optimizer = torch.optim.AdamW(params, **adamw)
+        optimizer = cls(params, **kwargs)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
