@@ -132,23 +132,21 @@ def test_muon_with_adamw_is_speculators_two_optimizers_as_one_and_resumes_exactl
     from trainer.training.muon import MuonWithAdamW
 
     kw = {"lr": 1e-2, "betas": (0.9, 0.95), "weight_decay": 0.0}
-    muon_kw = {"muon_lr": 2e-2, "muon_momentum": 0.95, "muon_weight_decay": 0.1}
+    muon = {"lr": 2e-2, "momentum": 0.95, "weight_decay": 0.1, "adjust_lr_fn": "match_rms_adamw"}
 
     def groups(m):
         mats = [p for p in m.parameters() if p.ndim == 2]
         rest = [p for p in m.parameters() if p.ndim != 2]
-        return [{"params": rest, "muon": False}, {"params": mats, "muon": True}]
+        return [{"params": rest, "muon": False}, {"params": mats, "muon": True, **muon}]
 
     a = _model()
-    one = MuonWithAdamW(groups(a), **kw, **muon_kw)
+    one = MuonWithAdamW(groups(a), **kw)
     _steps(a, one, 6)
     b = _model()
     gb = groups(b)
     two = [
         torch.optim.AdamW(gb[0]["params"], **kw),
-        torch.optim.Muon(
-            gb[1]["params"], lr=2e-2, momentum=0.95, weight_decay=0.1, adjust_lr_fn="match_rms_adamw"
-        ),
+        torch.optim.Muon(gb[1]["params"], **muon),
     ]
 
     class Both:
@@ -167,13 +165,13 @@ def test_muon_with_adamw_is_speculators_two_optimizers_as_one_and_resumes_exactl
     assert {"momentum_buffer", "exp_avg", "exp_avg_sq"} <= kinds
     # resume: 3 steps, save, a fresh model + optimizer loads it, 3 more == 6 straight
     c = _model()
-    oc = MuonWithAdamW(groups(c), **kw, **muon_kw)
+    oc = MuonWithAdamW(groups(c), **kw)
     _steps(c, oc, 3)
     saved_w = {k: v.clone() for k, v in c.state_dict().items()}
     saved_o = oc.state_dict()
     d = _model()
     d.load_state_dict(saved_w)
-    od = MuonWithAdamW(groups(d), **kw, **muon_kw)
+    od = MuonWithAdamW(groups(d), **kw)
     od.load_state_dict(saved_o)
     g = torch.Generator().manual_seed(1)
     for _ in range(3):  # the first 3 batches of the straight run

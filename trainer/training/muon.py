@@ -21,32 +21,15 @@ MUON_STATE = ("momentum_buffer",)
 
 
 class MuonWithAdamW(torch.optim.Optimizer):
-    """Groups with `muon: True` are stepped by torch.optim.Muon, the others by torch.optim.AdamW."""
+    """Groups with `muon: True` are stepped by torch.optim.Muon, the others by torch.optim.AdamW.
+    Each group carries its own hyper-parameters (`muon_param_groups` writes Muon's into its group):
+    a wrapper that rebuilds the groups (ZeRO-1 partitions them) keeps them as they are."""
 
     def __init__(
-        self,
-        params,
-        lr: float,
-        betas: tuple[float, float] = (0.9, 0.95),
-        weight_decay: float = 0.0,
-        muon_lr: float | None = None,
-        muon_momentum: float = 0.95,
-        muon_weight_decay: float = 0.1,
+        self, params, lr: float, betas: tuple[float, float] = (0.9, 0.95), weight_decay: float = 0.0
     ):
-        self._muon_defaults = {
-            "lr": lr if muon_lr is None else muon_lr,
-            "momentum": muon_momentum,
-            "weight_decay": muon_weight_decay,
-            "adjust_lr_fn": "match_rms_adamw",  # speculators' choice: AdamW's update RMS, AdamW's lr scale
-        }
         super().__init__(params, {"lr": lr, "betas": betas, "weight_decay": weight_decay, "muon": False})
         self._link()
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        if param_group.get("muon"):
-            for key, value in self._muon_defaults.items():
-                param_group.setdefault(key, value)
-        super().add_param_group(param_group)
 
     def _link(self) -> None:
         """The inner optimizers over this one's own group dicts and state."""
@@ -75,15 +58,28 @@ class MuonWithAdamW(torch.optim.Optimizer):
         return loss
 
 
-def muon_param_groups(model: torch.nn.Module) -> list[dict[str, Any]]:
+def muon_param_groups(
+    model: torch.nn.Module, lr: float, momentum: float, weight_decay: float
+) -> list[dict[str, Any]]:
     """[AdamW's group, Muon's group] of `model`'s trainable parameters by speculators' rule (a group
-    left out when it is empty), each in the model's parameter order."""
+    left out when it is empty), each in the model's parameter order; Muon's group carries Muon's
+    learning rate, momentum and weight decay, and speculators' `match_rms_adamw` scaling (AdamW's
+    update RMS, so one lr scale serves both)."""
     from speculators.train.optimizers import split_named_params_for_muon
 
     muon, adamw = split_named_params_for_muon(model)
-    groups = []
+    groups: list[dict[str, Any]] = []
     if adamw:
         groups.append({"params": [p for _, p in adamw], "muon": False})
     if muon:
-        groups.append({"params": [p for _, p in muon], "muon": True})
+        groups.append(
+            {
+                "params": [p for _, p in muon],
+                "muon": True,
+                "lr": lr,
+                "momentum": momentum,
+                "weight_decay": weight_decay,
+                "adjust_lr_fn": "match_rms_adamw",
+            }
+        )
     return groups

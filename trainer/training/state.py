@@ -63,12 +63,9 @@ def make_optimizer(model: torch.nn.Module, cfg: RunConfig, zero: bool):
     if t.optimizer == "muon":
         from trainer.training.muon import MuonWithAdamW, muon_param_groups
 
-        cls, params = MuonWithAdamW, muon_param_groups(model)
-        kwargs = adamw | {
-            "muon_lr": t.muon_lr,
-            "muon_momentum": t.muon_momentum,
-            "muon_weight_decay": t.muon_weight_decay,
-        }
+        muon_lr = t.lr if t.muon_lr is None else t.muon_lr
+        cls, kwargs = MuonWithAdamW, adamw
+        params = muon_param_groups(model, muon_lr, t.muon_momentum, t.muon_weight_decay)
     else:
         cls, params, kwargs = torch.optim.AdamW, [p for p in model.parameters() if p.requires_grad], adamw
     if zero:
