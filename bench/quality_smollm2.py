@@ -76,11 +76,19 @@ def main() -> int:
     ap.add_argument("--gamma", type=float, default=7.0, help="train.gamma (exp position weights)")
     ap.add_argument("--max-anchors", type=int, default=80, help="train.max_anchors per packed batch")
     ap.add_argument(
+        "--regenerate-only",
+        action="store_true",
+        help="prepare the prompts and regenerate the data, then stop (the tags of an ablation share it)",
+    )
+    ap.add_argument(
         "--skip-untrained",
         action="store_true",
         help="evaluate the trained drafter only (an ablation row: the untrained one is tau 1.0 every time)",
     )
     ap.add_argument("--eval-tokens", type=int, default=64)
+    ap.add_argument(
+        "--eval-limit", type=int, default=None, help="evaluate on the first N held-out prompts only"
+    )
     ap.add_argument(
         "--regen-backend",
         choices=("transformers", "vllm"),
@@ -150,6 +158,9 @@ def main() -> int:
     if fresh or not regen_file.exists():
         regen_file.write_text(json.dumps({"minutes": round(times["regenerate"] / 60, 2)}))
     regen_minutes = json.loads(regen_file.read_text())["minutes"]
+    if args.regenerate_only:
+        print(f"[bench] data ready: {data} ({regen_minutes} min of regeneration)", flush=True)
+        return 0
 
     steps = args.train_steps or max(50, int(0.7 * 60 * args.train_minutes))
     here = out / "runs" / args.tag
@@ -218,6 +229,7 @@ def main() -> int:
             *dflash,
             "eval",
             *([] if args.skip_untrained else ["--drafter", str(untrained)]),
+            *([] if args.eval_limit is None else ["--limit", str(args.eval_limit)]),
             "--drafter",
             str(here / "run"),
             "--target",
