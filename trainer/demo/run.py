@@ -91,10 +91,15 @@ def run_demo(
             "block_size": p["block"],
             "aux_layer_ids": p["aux"],
             "mask_token_id": p["mask"],
+            # the recipe that won bench/quality_smollm2.py's ablation (docs/train.md, The recipe): a
+            # draft vocabulary (SmolLM2's 49k-row head dominates a CPU step), Muon, D-PACE
+            **({} if tiny else {"draft_vocab_size": 4096}),
         },
         "train": {
             "max_steps": steps,
             "lr": 1.0e-3,
+            "optimizer": "muon",
+            "position_weights": "dpace",
             "checkpoint_every": max(1, steps // 2),
             "max_tokens_per_batch": p["tokens"],
             "max_anchors": 64,
