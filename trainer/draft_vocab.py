@@ -18,6 +18,8 @@ import numpy as np
 
 from trainer.errors import DflashError
 
+CHUNK = 1 << 24  # tokens counted at a time
+
 
 class DraftVocabError(DflashError, ValueError):
     """A draft vocabulary that cannot be built; the message says what to change."""
@@ -48,13 +50,16 @@ def supervised_token_counts(ds, target_vocab: int) -> np.ndarray:
     mask = flat_values(ds, "loss_mask")
     if ids.shape != mask.shape:
         raise DraftVocabError("input_ids and loss_mask differ in length: the data gate refuses this data")
-    kept = ids[mask != 0].astype(np.int64)
-    if kept.size and (kept.min() < 0 or kept.max() >= target_vocab):
-        raise DraftVocabError(
-            f"supervised token ids span {kept.min()}..{kept.max()}, outside the target's vocabulary of "
-            f"{target_vocab}: the data was tokenized for another model"
-        )
-    return np.bincount(kept, minlength=target_vocab)
+    counts = np.zeros(target_vocab, dtype=np.int64)
+    for s in range(0, ids.size, CHUNK):  # a chunk at a time: no int64 copy of a billion-token column
+        kept = ids[s : s + CHUNK][mask[s : s + CHUNK] != 0]
+        if kept.size and (kept.min() < 0 or kept.max() >= target_vocab):
+            raise DraftVocabError(
+                f"supervised token ids span {kept.min()}..{kept.max()}, outside the target's vocabulary "
+                f"of {target_vocab}: the data was tokenized for another model"
+            )
+        counts += np.bincount(kept, minlength=target_vocab)
+    return counts
 
 
 def build_draft_vocab(counts: np.ndarray, size: int) -> DraftVocab:
