@@ -25,6 +25,17 @@ def dflash(*args, timeout: int = 900) -> subprocess.CompletedProcess:
     )
 
 
+def eval_both(drafter: Path, target: Path, prompts: Path, out: Path) -> dict:
+    """`dflash eval --engine both` (harness and vLLM), 32 new tokens past EOS, 2 prompts checked
+    lossless; must exit 0; the report."""
+    res = dflash(
+        "eval", "--drafter", drafter, "--target", target, "--prompts", prompts,
+        "--max-new-tokens", 32, "--ignore-eos", "--check-lossless", 2, "--engine", "both", "--out", out,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
 @pytest.fixture(scope="module")
 def served_target(tmp_path_factory) -> Path:
     """A random Qwen3 with 4 layers and vLLM's CPU head size (64): deep enough that a drafter learns
@@ -56,12 +67,7 @@ def test_vllm_counts_the_harness_tau_and_a_causally_served_export_is_caught(
     # prompts the drafter was trained on: the comparison needs a tau well above 1, not generalisation
     prompts = write_prompt_file(tmp_path / "p.jsonl", [{"input_ids": p} for p in tiny_prompts(6)])
     out = tmp_path / "both" / "report.json"
-    res = dflash(
-        "eval", "--drafter", served_run, "--target", served_target, "--prompts", prompts,
-        "--max-new-tokens", 32, "--ignore-eos", "--check-lossless", 2, "--engine", "both", "--out", out,
-    )  # fmt: skip
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    rep = json.loads(out.read_text())
+    rep = eval_both(served_run, served_target, prompts, out)
     served, agree = rep["served"], rep["engine_agreement"]
     print(
         f"harness tau {rep['tau']:.4f} ({rep['rounds']} rounds), "
@@ -138,13 +144,7 @@ def test_a_draft_vocab_drafter_is_served_with_its_own_head_and_mapping(served_ta
     start = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()][0]
     assert start["layout"]["draft_vocab_size"] == 128
     prompts = write_prompt_file(tmp_path / "p.jsonl", [{"input_ids": p} for p in tiny_prompts(6)])
-    out = tmp_path / "both" / "report.json"
-    res = dflash(
-        "eval", "--drafter", run, "--target", served_target, "--prompts", prompts,
-        "--max-new-tokens", 32, "--ignore-eos", "--check-lossless", 2, "--engine", "both", "--out", out,
-    )  # fmt: skip
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    rep = json.loads(out.read_text())
+    rep = eval_both(run, served_target, prompts, tmp_path / "both" / "report.json")
     served, agree = rep["served"], rep["engine_agreement"]
     print(f"draft vocab 128: harness tau {rep['tau']:.4f}, vLLM {served['tau']:.4f}")
     assert rep["tau"] > 1.5 and rep["lossless"]["ok"]

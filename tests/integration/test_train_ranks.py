@@ -19,8 +19,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import wait_for, write_config
-from tests.integration.test_train import ENV, FAST, cfg_file, events_of, final_weights, run_train
+from tests.conftest import wait_for
+from tests.integration.test_train import ENV, cfg_file, events_of, final_weights, run_train
 from trainer.checkpoint import read_latest
 
 pytestmark = pytest.mark.slow
@@ -98,6 +98,16 @@ def run_torchrun(cfg: Path, timeout=400, module: str = "trainer.cli") -> subproc
     )
 
 
+def only_checkpoint(src: Path, dst: Path, name: str = "step-00000003") -> Path:
+    """A new out_dir `dst` holding only checkpoint `name` of run `src`: a run there resumes from it."""
+    import shutil
+
+    (dst / "checkpoints").mkdir(parents=True)
+    shutil.copytree(src / "checkpoints" / name, dst / "checkpoints" / name)
+    (dst / "checkpoints" / "latest").write_text(name + "\n")
+    return dst
+
+
 def test_a_rank_that_diverges_stops_the_run_loudly(tmp_path, tiny_target, tiny_data):
     """The fingerprint check is not only the trainer's word: rank 1 drifts on purpose (one weight
     nudged by 1e-3 before the step-3 checkpoint, tests/integration/diverging_rank.py) and the run must
@@ -118,7 +128,6 @@ def test_zero1_shards_adam_moments_and_resumes_exactly(tmp_path, tiny_target, ti
     """train.shard optimizer (default): each of 2 gloo ranks holds about half the Adam moments
     (counted on the rank's own optimizer), the checkpoint holds the full state, and a resume from it
     continues exactly like the uninterrupted run; plain AdamW on both ranks trains the same weights."""
-    import shutil
 
     ref = cfg_file(tmp_path, tiny_target, tiny_data, name="ref", max_steps=6, checkpoint_every=3)
     res = run_torchrun(ref)
@@ -140,18 +149,9 @@ def test_zero1_shards_adam_moments_and_resumes_exactly(tmp_path, tiny_target, ti
     )
     assert saved == total, "the checkpoint holds the consolidated (full) optimizer state"
 
-    resumed = tmp_path / "resumed"  # only ref's step-3 checkpoint: the run resumes there
-    (resumed / "checkpoints").mkdir(parents=True)
-    shutil.copytree(out / "checkpoints" / "step-00000003", resumed / "checkpoints" / "step-00000003")
-    (resumed / "checkpoints" / "latest").write_text("step-00000003\n")
+    resumed = only_checkpoint(out, tmp_path / "resumed")  # the run resumes from ref's step 3
     res = run_torchrun(
-        write_config(
-            tmp_path / "resumed.yaml",
-            tiny_target,
-            tiny_data,
-            resumed,
-            train={**FAST, "max_steps": 6, "checkpoint_every": 3},
-        )
+        cfg_file(tmp_path, tiny_target, tiny_data, name="resumed", max_steps=6, checkpoint_every=3)
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert events_of(resumed, "run_start")[-1]["resumed_from"] == "step-00000003"
@@ -234,12 +234,7 @@ def test_fsdp_trains_like_ddp_resumes_exactly_after_kill_9_and_reloads_in_specul
     assert moved > 1e-3, "steps 4-6 changed the weights (the comparison is not between two idle runs)"
 
     # one checkpoint format whatever the level: the DDP run's step-3 checkpoint resumed under FSDP
-    import shutil
-
-    cross = tmp_path / "cross"
-    (cross / "checkpoints").mkdir(parents=True)
-    shutil.copytree(tmp_path / "ddp/checkpoints/step-00000003", cross / "checkpoints/step-00000003")
-    (cross / "checkpoints/latest").write_text("step-00000003\n")
+    cross = only_checkpoint(tmp_path / "ddp", tmp_path / "cross")
     res = run_torchrun(cfg_file(tmp_path, tiny_target, tiny_data, name="cross", shard="full", **COMMON))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert events_of(cross, "run_start")[-1]["resumed_from"] == "step-00000003"
@@ -305,7 +300,6 @@ def test_muon_over_two_ranks_is_the_same_update_at_every_shard_level_and_resumes
     sharded DTensors) train what plain DDP trains, to float rounding; the FSDP run resumed from its
     step-3 checkpoint (the state dict converted between names and ids over both param groups) ends
     bit-identical to the uninterrupted one."""
-    import shutil
 
     recipe = {"optimizer": "muon", "position_weights": "dpace", **COMMON}
     drafter = {"draft_vocab_size": 96}
@@ -346,27 +340,9 @@ def test_muon_over_two_ranks_is_the_same_update_at_every_shard_level_and_resumes
     assert [g["muon"] for g in groups] == [False, True]
     assert {k for st in state["optimizer"]["state"].values() for k in st} >= {"momentum_buffer", "exp_avg"}
 
-    resumed = tmp_path / "resumed"
-    (resumed / "checkpoints").mkdir(parents=True)
-    shutil.copytree(
-        tmp_path / "full" / "checkpoints" / "step-00000003", resumed / "checkpoints" / "step-00000003"
-    )
-    (resumed / "checkpoints" / "latest").write_text("step-00000003\n")
+    resumed = only_checkpoint(tmp_path / "full", tmp_path / "resumed")
     res = run_torchrun(
-        write_config(
-            tmp_path / "resumed.yaml",
-            tiny_target,
-            tiny_data,
-            resumed,
-            train={**FAST, **recipe, "shard": "full"},
-            drafter={
-                "num_layers": 1,
-                "block_size": 4,
-                "aux_layer_ids": [1, 2],
-                "mask_token_id": 511,
-                **drafter,
-            },
-        )
+        cfg_file(tmp_path, tiny_target, tiny_data, name="resumed", drafter=drafter, shard="full", **recipe)
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert events_of(resumed, "run_start")[-1]["resumed_from"] == "step-00000003"
