@@ -62,7 +62,7 @@ def main() -> int:
     )
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--block", type=int, default=8)
-    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--tokens-per-step", type=int, default=512)
     ap.add_argument(
         "--tag", default="run", help="this configuration's name: --out/runs/TAG, a row in the table"
