@@ -6,11 +6,14 @@ order): `d2t[i]` is the offset from draft id i to its target id, `t2d` marks the
 The frequencies are the supervised tokens (loss_mask 1) of the run's data, counted over the Arrow
 columns at once, so every rank (every node, with or without a shared filesystem) derives the same
 mapping from the same data; the checkpoint keeps it (speculators saves t2d/d2t with the reduced
-head), and a resume refuses a checkpoint whose mapping is not the one the data gives.
+head), and a resume refuses a checkpoint whose mapping is not the one the data gives. A process counts
+a dataset once: `dflash train`'s preflight (rank 0) and the drafter's build share the counts, keyed by
+the data folder's files (names, sizes, mtimes), so a rewritten dataset is counted again.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +33,7 @@ class DraftVocab:
     d2t: object  # torch.LongTensor [draft]: target id = draft id + d2t[draft id]
     t2d: object  # torch.BoolTensor [target vocab]: the kept target ids
     coverage: float  # share of the data's supervised tokens that are kept
+    distinct: int  # distinct supervised token ids in the data
 
     @property
     def size(self) -> int:
@@ -77,11 +81,30 @@ def build_draft_vocab(counts: np.ndarray, size: int) -> DraftVocab:
     d2t, t2d = build_vocab_mappings_from_distribution(freq, size, target_vocab)
     total = int(counts.sum())
     kept = int(counts[t2d.numpy()].sum())
-    return DraftVocab(d2t=d2t, t2d=t2d, coverage=kept / total if total else 0.0)
+    return DraftVocab(d2t=d2t, t2d=t2d, coverage=kept / total if total else 0.0, distinct=int(seen.size))
 
 
 def draft_vocab_for(data_path: Path, size: int, target_vocab: int) -> DraftVocab:
     """The run's mapping: `size` tokens from the supervised tokens of the data at `data_path`."""
+    return build_draft_vocab(data_token_counts(Path(data_path), target_vocab), size)
+
+
+def data_token_counts(data_path: Path, target_vocab: int) -> np.ndarray:
+    """`supervised_token_counts` of the dataset folder, counted once per process while its files stay
+    the same (a read-only array: callers share it)."""
+    path = data_path.resolve()
+    stamp = tuple(
+        (str(f.relative_to(path)), st.st_size, st.st_mtime_ns)
+        for f in sorted(path.rglob("*"))
+        if f.is_file() and (st := f.stat())
+    )
+    return _counts(path, stamp, target_vocab)
+
+
+@functools.lru_cache(maxsize=2)
+def _counts(path: Path, stamp: tuple, target_vocab: int) -> np.ndarray:
     from trainer.data import open_dataset
 
-    return build_draft_vocab(supervised_token_counts(open_dataset(data_path), target_vocab), size)
+    counts = supervised_token_counts(open_dataset(path), target_vocab)
+    counts.flags.writeable = False
+    return counts

@@ -80,6 +80,46 @@ def test_a_resume_refuses_a_checkpoint_with_another_draft_vocabulary(make_config
             check_same_draft_vocab(model, tmp_path / "reduced" / "model.safetensors")
 
 
+def test_preflight_and_the_drafter_share_one_count_and_a_rewritten_dataset_is_counted_again(
+    make_config, tiny_target, tmp_path, monkeypatch
+):
+    """`dflash train` runs the preflight then builds the drafter in one process: the data's supervised
+    tokens are counted once (a pass over every token of a large dataset), and again only when the
+    dataset's files change."""
+    import shutil
+
+    import datasets
+
+    import trainer.draft_vocab as dvm
+    from trainer.drafter import build_drafter
+    from trainer.preflight import run_preflight
+
+    data = tmp_path / "ds"
+    datasets.Dataset.from_dict(
+        {"input_ids": [[1, 2, 3, 4] * 20] * 6, "loss_mask": [[0, 1, 1, 1] * 20] * 6}
+    ).save_to_disk(str(data))
+    passes = []
+    real = dvm.supervised_token_counts
+    monkeypatch.setattr(dvm, "supervised_token_counts", lambda ds, v: passes.append(1) or real(ds, v))
+    cfg = load_config(make_config(data={"path": str(data)}, drafter={"draft_vocab_size": 4}))
+    report = run_preflight(cfg)
+    d = build_drafter(cfg, torch.device("cpu"))
+    assert len(passes) == 1, "preflight and the drafter's build counted the data separately"
+    assert report.data["draft_vocab_coverage"] == 1.0 and _kept(d) >= {2, 3, 4}
+    # the same folder rewritten with other tokens: counted again, and the mapping follows the data
+    datasets.Dataset.from_dict(
+        {"input_ids": [[1, 7, 8, 9] * 20] * 6, "loss_mask": [[0, 1, 1, 1] * 20] * 6}
+    ).save_to_disk(str(tmp_path / "ds2"))
+    shutil.rmtree(data)
+    shutil.move(tmp_path / "ds2", data)
+    d2 = build_drafter(cfg, torch.device("cpu"))
+    assert len(passes) == 2 and _kept(d2) >= {7, 8, 9}
+
+
+def _kept(drafter) -> set[int]:
+    return set(torch.nonzero(drafter.t2d).flatten().tolist())
+
+
 # ---------------------------------------------------------------- D-PACE
 def _dpace_by_hand(ce: torch.Tensor, mask: torch.Tensor, block: int, alpha: float) -> torch.Tensor:
     """D-PACE by its definition: w_k = m_k * sum_{j>=k} m_j * prod_{i<=j} s_i, with s_i the smoothed

@@ -63,22 +63,22 @@ def data_gate(cfg: RunConfig, target: TargetInfo | None, report: PreflightReport
         and target is not None
         and "data.token_out_of_vocab" not in report.codes()
     ):
-        _draft_vocab_check(cfg, target, ds, report)
+        _draft_vocab_check(cfg, target, report)
 
 
-def _draft_vocab_check(cfg: RunConfig, target: TargetInfo, ds, report: PreflightReport) -> None:
+def _draft_vocab_check(cfg: RunConfig, target: TargetInfo, report: PreflightReport) -> None:
     """The share of supervised tokens the draft vocabulary keeps: the drafter can never propose the
     others (each costs the block there)."""
-    from trainer.draft_vocab import build_draft_vocab, supervised_token_counts
+    from trainer.draft_vocab import draft_vocab_for
 
-    counts = supervised_token_counts(ds, target.vocab)
-    dv = build_draft_vocab(counts, cfg.drafter.draft_vocab_size)
+    # the same counts as the drafter's build in this process (trainer/draft_vocab.py counts once)
+    dv = draft_vocab_for(cfg.data.path, cfg.drafter.draft_vocab_size, target.vocab)
     report.data["draft_vocab_coverage"] = dv.coverage
     if dv.coverage < DRAFT_VOCAB_MIN_COVERAGE:
         report.warn(
             "data.draft_vocab_coverage_low",
             f"drafter.draft_vocab_size {dv.size} keeps {pct(dv.coverage)} of the supervised tokens "
-            f"({int(np.count_nonzero(counts))} distinct): the drafter can never propose the rest",
+            f"({dv.distinct} distinct): the drafter can never propose the rest",
             "raise drafter.draft_vocab_size, or null for the whole vocabulary",
         )
 
