@@ -8,14 +8,20 @@ random Qwen3 target built on the spot. Two shapes:
 - `vocab`: a large vocabulary (65536) and a one-layer drafter of width 64, so the
   `[anchors x block, vocab]` logits dominate: unchunked vs `train.loss_chunk_rows`;
 - `layers`: a four-layer drafter of width 1024 and a small vocabulary, so the drafter's weights,
-  gradients, moments and activations dominate: `train.shard` none / optimizer / full over 2 ranks,
-  and `train.activation_checkpointing` off / on.
+  gradients and moments dominate: `train.shard` none / optimizer / full over 2 ranks, and
+  `train.activation_checkpointing` off / on;
+- `acts`: a four-layer drafter of width 512 on 1024 tokens and 128 anchors, so the activations
+  matter: `train.activation_checkpointing` off / on.
 
-Measured, per rank: the peak RSS (`ru_maxrss`) minus the RSS just before `build()` (imports and the
-process group already made), the largest over the ranks. Predicted: the sum of every part of
-trainer/layout/sizing.py (target weights, drafter, optimizer, activations, logits) for the same shapes
-on CPU (fp32, eager loss) and the same world size. Printed per configuration with measured/predicted,
-then each option's saving as the ratio of the measured peaks, side by side in one run.
+Measured, per rank, the largest over the ranks: the peak of live tensor bytes torch's CPU allocator
+reported to the profiler (`profile_memory`) from `build()` through both steps, what
+`torch.cuda.max_memory_allocated` is on a GPU; the peak RSS growth beside it (it also holds glibc's
+heap, gloo's buffers and the touched pages of the memory-mapped target). Predicted: the sum of every
+part of trainer/layout/sizing.py for the same shapes on CPU (fp32, eager loss, sdpa) and the same world
+size, less `target_weights`: on CPU the target's weights are pages of its memory-mapped safetensors,
+not allocator memory, so neither side holds them (that part is params x dtype, counted in
+tests/unit/test_sizing.py). Printed per configuration with measured/predicted (the goal: each within
+15 %), then each option's saving as the ratio of the measured peaks, side by side in one run.
 
     .venv/bin/python bench/memory.py [--only vocab|layers]
 """
@@ -40,6 +46,7 @@ MIB = 2**20
 SHAPES = {
     "vocab": {"vocab": 65536, "hidden": 64, "draft_layers": 1, "tokens": 2048, "anchors": 256, "block": 8},
     "layers": {"vocab": 2048, "hidden": 1024, "draft_layers": 4, "tokens": 256, "anchors": 32, "block": 8},
+    "acts": {"vocab": 2048, "hidden": 512, "draft_layers": 4, "tokens": 1024, "anchors": 128, "block": 8},
 }
 # (name, shape, ranks, train overrides)
 CONFIGS = [
@@ -50,12 +57,15 @@ CONFIGS = [
     ("shard full, 2 ranks", "layers", 2, {"shard": "full"}),
     ("1 rank", "layers", 1, {}),
     ("activation checkpointing", "layers", 1, {"activation_checkpointing": True}),
+    ("1 rank, long batch", "acts", 1, {}),
+    ("activation ckpt, long batch", "acts", 1, {"activation_checkpointing": True}),
 ]
 SAVINGS = [
     ("train.loss_chunk_rows 256", "unchunked", "loss_chunk_rows 256"),
     ("train.shard optimizer vs none", "shard none, 2 ranks", "shard optimizer, 2 ranks"),
     ("train.shard full vs none", "shard none, 2 ranks", "shard full, 2 ranks"),
     ("train.activation_checkpointing", "1 rank", "activation checkpointing"),
+    ("activation checkpointing, long", "1 rank, long batch", "activation ckpt, long batch"),
 ]
 
 
@@ -63,6 +73,7 @@ def child(args) -> None:
     import psutil
     import torch
     from online_overhead import make_dataset
+    from torch.profiler import ProfilerActivity, profile
 
     import trainer.drafter  # noqa: F401  (imports before the baseline)
     from trainer.config import config_from_dict
@@ -74,7 +85,7 @@ def child(args) -> None:
     from trainer.training.loop import Trainer
 
     torch.set_num_threads(1)
-    shape = SHAPES[args.shape]
+    shape = json.loads(args.shape)
     work = Path(args.work)
     rank = int(os.environ.get("RANK", "0"))
     target = work / "target"
@@ -109,14 +120,24 @@ def child(args) -> None:
     if d.enabled:
         dist.barrier()  # rank 0 has written the target and the data
     base = psutil.Process().memory_info().rss
-    tr = Trainer(cfg, d, EventWriter(work / "out", "bench", enabled=False))
-    tr.build()
-    for _ in range(2):
-        tr.train_step()
-        tr.step += 1
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    # torch's CPU allocator reports every allocation and free to the profiler (profile_memory): the
+    # largest "Total Allocated" is the peak of live tensor bytes allocated since build() began, what
+    # CUDA's max_memory_allocated is on a GPU (no glibc heap, gloo or library buffers)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        tr = Trainer(cfg, d, EventWriter(work / "out", "bench", enabled=False))
+        tr.build()
+        for _ in range(2):
+            tr.train_step()
+            tr.step += 1
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base  # ru_maxrss: KiB on Linux
     parts = estimate_memory(cfg, TargetInfo.from_folder(target), cuda=False, world_size=d.world_size)
-    row = {"rank": d.rank, "measured": peak - base, "predicted": sum(parts.values()), "parts": parts}
+    row = {
+        "rank": d.rank,
+        "measured": allocator_peak(prof, work / f"trace{d.rank}.json"),
+        "rss": rss,
+        "predicted": sum(v for k, v in parts.items() if k != "target_weights"),  # see the docstring
+        "parts": parts,
+    }
     with open(work / f"rank{d.rank}.json", "w") as fh:
         json.dump(row, fh)
     tr.close()
@@ -125,9 +146,21 @@ def child(args) -> None:
         dist.destroy_process_group()
 
 
-def run_config(shape: str, ranks: int, train: dict) -> dict:
+def allocator_peak(prof, trace: Path) -> int:
+    """The largest live-tensor total torch's CPU allocator reported during the profile."""
+    prof.export_chrome_trace(str(trace))
+    events = json.loads(trace.read_text())["traceEvents"]
+    totals = [e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]"]
+    if not totals:
+        raise SystemExit("the profiler recorded no allocation: profile_memory did not take effect")
+    return max(totals)
+
+
+def run_config(shape: dict, ranks: int, train: dict) -> dict:
+    """Measure one configuration in fresh processes: the row of the rank with the largest peak
+    (measured, rss, predicted, parts; bytes). tests/integration/test_memory_model.py calls it too."""
     with tempfile.TemporaryDirectory() as work:
-        me = [__file__, "--child", "--work", work, "--shape", shape, "--train", json.dumps(train)]
+        me = [__file__, "--child", "--work", work, "--shape", json.dumps(shape), "--train", json.dumps(train)]
         if ranks == 1:
             cmd = [sys.executable, *me]
         else:
@@ -161,17 +194,18 @@ def main() -> int:
             )
     print(
         f"{'configuration':28} {'shape':7} {'measured MiB':>13} {'predicted MiB':>14} {'meas/pred':>10}"
-        "   largest predicted parts (MiB)"
+        f" {'RSS MiB':>8}   largest predicted parts (MiB)"
     )
     rows = {}
     for name, shape, ranks, train in CONFIGS:
         if args.only not in (None, shape):
             continue
-        r = rows[name] = run_config(shape, ranks, train)
+        r = rows[name] = run_config(SHAPES[shape], ranks, train)
         big = sorted(((k, v) for k, v in r["parts"].items() if v), key=lambda kv: -kv[1])[:4]
         print(
             f"{name:28} {shape:7} {r['measured'] / MIB:13.0f} {r['predicted'] / MIB:14.0f} "
-            f"{r['measured'] / r['predicted']:10.2f}   " + ", ".join(f"{k} {v / MIB:.0f}" for k, v in big),
+            f"{r['measured'] / r['predicted']:10.2f} {r['rss'] / MIB:8.0f}   "
+            + ", ".join(f"{k} {v / MIB:.0f}" for k, v in big),
             flush=True,
         )
     print()

@@ -260,7 +260,8 @@ def train_stage(
     predicted_total = sum(predicted.values()) / GIB
     # what torch's allocator can see: everything but the CUDA context / library workspaces reserve
     predicted_allocated = predicted_total - predicted["runtime_reserve"] / GIB
-    # held between steps: weights, gradients, optimizer state, frozen heads (the rest is the step's peak)
+    # held between steps: weights, optimizer state, frozen heads (one rank's gradients are freed after each
+    # step: zero_grad(set_to_none=True); the rest is the step's peak)
     predicted_persistent = sum(predicted[k] for k in PERSISTENT_PARTS) / GIB
     persistent = steps[-1].get("gpu_allocated_gb")
     return {

@@ -69,7 +69,10 @@ ASSUMPTIONS = {
     "thin_margin_share": 0.97,  # a fit above this share of the budget is flagged as thin
     "memory_model": "trainer/layout/sizing.py",
     **SIZING_ASSUMPTIONS,
-    "shard_auto_order": ["optimizer", "full"],  # --shard auto: the lightest level that fits
+    "shard_auto_order": [
+        "optimizer",
+        "full",
+    ],  # --shard auto: the lightest that fits, outside the thin margin
     "share_target_embedding": True,  # the key's default: the drafter reads its target copy's embedding
     "mfu": 0.35,  # model FLOPs utilisation of the target forward (bf16)
     # --source vllm (target.source: vllm): a vLLM server on k GPUs (TP t x DP r) holds the target
@@ -257,10 +260,29 @@ def _levels(r: Recipe, dp: int) -> tuple[str, ...]:
     return AUTO_SHARD_ORDER if dp > 1 else ("none",)  # one rank per copy set: nothing to shard over
 
 
+def _lightest_level(
+    levels: tuple[str, ...], parts_of, budget: float
+) -> tuple[str, dict[str, float], float, list]:
+    """The lightest train.shard level whose estimate fits outside the thin margin (`thin_margin_share` of
+    `budget`); else the lightest that fits at all; else the heaviest tried. Returns (level, parts, need,
+    [(level, need) tried])."""
+    tried, thin = [], None
+    for shard in levels:
+        parts = parts_of(shard)
+        need = sum(parts.values())
+        tried.append((shard, need))
+        if need <= ASSUMPTIONS["thin_margin_share"] * budget:
+            return shard, parts, need, tried
+        if need <= budget and thin is None:
+            thin = (shard, parts, need)
+    return (*(thin or (shard, parts, need)), tried)
+
+
 def choose_layout(
     t: TargetShape, memory_gib: float, count: int, r: Recipe, override: int | None = None
 ) -> dict[str, Any]:
-    """The fewest GPUs per copy (then the lightest shard level) whose estimate fits."""
+    """The fewest GPUs per copy whose estimate fits, at the lightest shard level that fits outside the thin
+    margin (else the lightest that fits)."""
     budget = memory_gib * GIB * ASSUMPTIONS["usable_share"]
     tried = []
     candidates = [override] if override else [n for n in range(1, count + 1) if count % n == 0]
@@ -272,13 +294,10 @@ def choose_layout(
 
     for n in candidates:
         dp = count // n
-        levels = _levels(r, dp)
-        for shard in levels:
-            parts = per_gpu_bytes(t, n, dp, r, shard)
-            need = sum(parts.values())
-            tried.append({"gpus_per_copy": n, "shard": shard, "per_gpu_gib": round(need / GIB, 1)})
-            if need <= budget or (override and shard == levels[-1]):
-                break
+        shard, parts, need, levels = _lightest_level(
+            _levels(r, dp), lambda level: per_gpu_bytes(t, n, dp, r, level), budget
+        )
+        tried += [{"gpus_per_copy": n, "shard": lv, "per_gpu_gib": round(x / GIB, 1)} for lv, x in levels]
         if need <= budget or override:
             fits = need <= budget
             thin = fits and need > ASSUMPTIONS["thin_margin_share"] * budget
@@ -378,11 +397,11 @@ def choose_disaggregated(t: TargetShape, memory_gib: float, count: int, r: Recip
             in_flight = a["vllm_kv_batches_per_rank"] * m * r.tokens
             server = vllm_gpu_bytes(t, tp, in_flight, r.n_aux)
             s_need = sum(server.values())
-            for shard in _levels(r, m):
-                trainer = per_gpu_bytes(t, 1, m, r, shard, target_in_process=False)
-                t_need = sum(trainer.values())
-                if t_need <= trainer_budget:
-                    break
+            shard, trainer, t_need, _ = _lightest_level(
+                _levels(r, m),
+                lambda level: per_gpu_bytes(t, 1, m, r, level, target_in_process=False),
+                trainer_budget,
+            )
             tried.append(
                 {
                     "vllm_gpus": k,
@@ -663,6 +682,16 @@ def make_plan(args) -> dict[str, Any]:
     return plan
 
 
+def _tried_text(t: dict[str, Any]) -> str:
+    """One layout `choose_layout` or `choose_disaggregated` tried, in words."""
+    if "gpus_per_copy" in t:
+        return f"{t['gpus_per_copy']} per copy, shard {t['shard']}: {t['per_gpu_gib']} GiB"
+    return (
+        f"vLLM TP {t['tensor_parallel']} on {t['vllm_gpus']} GPUs ({t['server_gib']} GiB each) + "
+        f"{t['trainer_gpus']} trainer GPUs, shard {t['shard']} ({t['trainer_gib']} GiB each)"
+    )
+
+
 def render_text(p: dict[str, Any]) -> str:
     t = p["target"]
     lines = [
@@ -681,12 +710,7 @@ def render_text(p: dict[str, Any]) -> str:
             else f"layout   {p['gpus_per_copy']} GPU(s) per target copy, data-parallel {p['data_parallel']}, "
             f"train.shard {p['shard']}"
             if p["gpus_per_copy"] is not None
-            else "layout   NONE FITS (tried "
-            + ", ".join(
-                f"{t['gpus_per_copy']} per copy, shard {t['shard']}: {t['per_gpu_gib']} GiB"
-                for t in p["tried"]
-            )
-            + ")"
+            else "layout   NONE FITS (tried " + ", ".join(map(_tried_text, p["tried"])) + ")"
         ),
         f"memory   ~{p['per_gpu_memory_gib']} GiB per {'trainer ' if p.get('vllm') else ''}GPU: "
         + ", ".join(f"{k} {v}" for k, v in p["per_gpu_breakdown_gib"].items()),

@@ -10,8 +10,16 @@ What the trainer holds (loop.py + speculators' DFlashDraftModel, read from their
 - target weights / gpus_per_copy (target dtype; the base model only, no lm_head is loaded), plus
   the no-grad forward's transient working set of one layer (its MLP: gate, up and product);
 - the drafter's trainable parameters in fp32 (decoder layers, fc, hidden_norm, norm) and their fp32
-  gradients (under DDP views into its buckets, `gradient_as_bucket_view`: no second copy); on CUDA
-  bf16 autocast keeps a bf16 cast of each trainable weight alive for the backward;
+  gradients: under DDP (data_parallel > 1, shard none or optimizer) views into its buckets
+  (`gradient_as_bucket_view`: no second copy), which live for the whole run; on one rank and under
+  FSDP2 the optimizer's `zero_grad(set_to_none=True)` frees them every step; on CUDA bf16 autocast
+  keeps a bf16 cast of each trainable weight alive for the backward;
+- the optimizer step's own working set: on CUDA AdamW runs its foreach kernels, which hold one fp32
+  copy of the parameters it updates on this rank (the square roots of the second moments); on CPU
+  it steps one parameter at a time. The step comes after the backward has freed the activations
+  and logits, and the backward makes the freed-every-step gradients as it frees them, so
+  `drafter_step` is only what the step phase (those gradients + the foreach copy) holds beyond the
+  activations and logits;
 - the optimizer's fp32 state: AdamW's two moments per parameter, or (`train.optimizer: muon`) Muon's
   one momentum buffer per weight-matrix element and AdamW's two moments for the rest (norms); on
   every rank with `train.shard: none`, 1/data_parallel per rank with ZeRO-1 (`optimizer`, torch's
@@ -29,19 +37,28 @@ What the trainer holds (loop.py + speculators' DFlashDraftModel, read from their
   matmul anyway (trainer/drafter.py cast_frozen_heads); with `drafter.draft_vocab_size` D, two
   separate D x hidden heads (the target's rows of the kept tokens);
 - activations: the captured aux states (n_aux x tokens x hidden) and last hidden state, fc output,
-  and per drafter layer `activation_copies` tensors of width hidden over context + query tokens
-  plus the MLP's three intermediate-width tensors over the query tokens (query = anchors x block);
-  with `train.activation_checkpointing` only each layer's input over the query tokens is kept, and
-  one layer's tensors exist again while its backward recomputes it;
+  and per drafter layer what autograd saves, counted by storage on CPU (bench/memory.py's layer
+  marginal): `query_hidden_copies` tensors of width hidden over the query tokens (query = anchors x
+  block: norms, q and o projections, attention output, residuals; 9.5 measured), k and v over
+  context + query tokens at the kv width, and `mlp_intermediate_copies` intermediate-width tensors
+  over the query tokens (gate, its activation, up, their product); sdpa on CPU adds per layer k and v
+  repeated to every query head (GQA) and its dense fp32 mask, [query, context + query] (flex attention
+  on CUDA takes GQA and a block mask of a few KiB); with `train.activation_checkpointing` only each
+  layer's input over the query tokens is kept, and one layer's tensors exist again while its backward
+  recomputes it;
 - logits: speculators' forward materialises the full [anchors x block, vocab] drafter logits and
   verifier targets whatever the loss; the fused (Triton, CUDA) loss adds only their gradient (bf16
-  under autocast: 3 copies x 2 B), the eager loss (CPU) also keeps an fp32 log-softmax (4 x 4 B);
-  with `train.loss_chunk_rows` N (trainer/training/chunked_loss.py) the same copies of N rows only;
-  with a draft vocabulary D columns instead of vocab;
+  under autocast: 3 copies x 2 B); the eager loss (CPU, fp32) peaks at 3 copies too, measured by
+  bench/memory.py (the forward holds the verifier logits, their rows at the anchored positions and the
+  drafter's logits; the backward the log-softmax, its gradient and the loss's gradient); with
+  `train.loss_chunk_rows` N (trainer/training/chunked_loss.py) the same copies of N rows only; with a
+  draft vocabulary D columns instead of vocab. The target-agreement check (training/health.py) scores
+  the same rows at a time (at most 1024), before the drafter's forward, so it never adds a peak;
 - a runtime reserve on CUDA (context, cuBLAS/NCCL workspaces).
 
-Every constant is in ASSUMPTIONS (echoed by `dflash plan --json`). Nothing here has been measured
-on a GPU yet: the figures are arithmetic over the code, not allocator readings.
+Every constant is in ASSUMPTIONS (echoed by `dflash plan --json`). On CPU every term is checked against
+torch's allocator by bench/memory.py (each configuration within 15 %); on a GPU nothing has been
+measured yet: the CUDA figures are arithmetic over the code, not allocator readings.
 """
 
 from __future__ import annotations
@@ -58,6 +75,7 @@ ASSUMPTIONS: dict[str, Any] = {
     "trainable_bytes_per_param": {"weight": 4, "grad": 4, "autocast_copy_cuda": 2},
     "ddp_gradients": "views into DDP's buckets (gradient_as_bucket_view): no second copy",
     "adam_moment_bytes_per_param": 8,  # exp_avg + exp_avg_sq, fp32
+    "adam_foreach_bytes_per_param_cuda": 4,  # the step's sqrt(exp_avg_sq) list (foreach on CUDA)
     "muon_momentum_bytes_per_param": 4,  # momentum_buffer, fp32 (train.optimizer muon: weight matrices)
     "shard_levels": {
         "none": "weights, gradients, moments whole on every rank",
@@ -70,10 +88,16 @@ ASSUMPTIONS: dict[str, Any] = {
         "verifier_norm fp32; one head shared by lm_head/verifier_lm_head (two draft-vocabulary heads "
         "with drafter.draft_vocab_size), bf16 under bf16 autocast (CUDA), else fp32"
     ),
-    "activation_copies": 4,  # saved tensors of width hidden per token and drafter layer
-    "mlp_intermediate_copies": 3,  # gate, up, act*up
-    "logit_copies": {"fused": 3, "eager": 4},  # logits, targets, grad (+ fp32 log-softmax for eager)
+    # per drafter layer, saved for the backward (storages counted on CPU; see the module docstring)
+    "query_hidden_copies": 10,  # of width hidden over the query tokens (9.5 measured)
+    "context_kv_copies": 2,  # k and v over context + query tokens, kv width
+    "mlp_intermediate_copies": 4,  # gate, act(gate), up, act(gate)*up
+    "target_mlp_copies": 3,  # the target's no-grad MLP working set: gate, up, their product
+    "logit_copies": {"fused": 3, "eager": 3},  # at the peak: see the module docstring
     "logit_bytes": {"fused": 2, "eager": 4},  # bf16 under autocast on CUDA, fp32 on CPU
+    "sdpa_cpu_per_layer": (
+        "k and v repeated to every query head over context + query; fp32 mask [query, context + query]"
+    ),
     "runtime_reserve_gib_cuda": 1.0,
 }
 
@@ -130,11 +154,15 @@ class Shapes:
         return layers + self.n_aux * self.hidden * self.hidden + 2 * self.hidden
 
     @property
+    def head_elements(self) -> int:
+        """The frozen heads: lm_head and verifier_lm_head are one shared vocab x hidden tensor with the
+        whole vocabulary, two draft_vocab x hidden ones with a draft vocabulary."""
+        return (2 if self.draft_vocab else 1) * self.head_rows * self.hidden
+
+    @property
     def drafter_frozen(self) -> int:
-        """embed_tokens + lm_head/verifier_lm_head (one shared tensor with the whole vocabulary, two
-        draft-vocabulary ones) + verifier_norm."""
-        heads = 2 * self.draft_vocab * self.hidden if self.draft_vocab else self.vocab * self.hidden
-        return self.vocab * self.hidden + heads + self.hidden
+        """embed_tokens + the heads + verifier_norm."""
+        return self.vocab * self.hidden + self.head_elements + self.hidden
 
 
 def per_device_bytes(
@@ -176,14 +204,16 @@ def per_device_bytes(
     fsdp = level == "full"
     q = anchors * block
     draft_inter = s.draft_intermediate or s.intermediate
+    # DDP's bucket views live all run; one rank's and FSDP2's gradients are freed every step
+    grads_persist = data_parallel > 1 and not fsdp
     if fsdp:  # sharded fp32 weights + gradients; the gathered bf16 layers replace autocast's copies
-        trainable = p * (tb["weight"] + tb["grad"]) / data_parallel
+        weights, grads = p * tb["weight"] / data_parallel, p * tb["grad"] / data_parallel
         layer = s.decoder_layer_params(s.draft_intermediate)
         root = p - s.draft_layers * layer  # fc, hidden_norm, norm
         gathered = (min(a["fsdp_gathered_layers"], s.draft_layers) * layer + root) * act + (layer + root) * 4
     else:
-        per_param = tb["weight"] + tb["grad"] + (tb["autocast_copy_cuda"] if cuda and act == 2 else 0)
-        trainable, gathered = p * per_param, 0.0
+        weights = p * (tb["weight"] + (tb["autocast_copy_cuda"] if cuda and act == 2 else 0))
+        grads, gathered = p * tb["grad"], 0.0
     moment_shards = data_parallel if level in ("optimizer", "full") else 1
     muon = s.drafter_matrix_params if optimizer == "muon" else 0
     optimizer_state = (
@@ -192,35 +222,46 @@ def per_device_bytes(
     loss = "fused" if cuda else "eager"
     # under bf16 autocast the frozen head is stored in bf16 (trainer/drafter.py cast_frozen_heads)
     head_bytes = 2 if cuda and act == 2 else 4
-    per_layer = (
-        a["activation_copies"] * (q + tokens) * s.hidden + a["mlp_intermediate_copies"] * q * draft_inter
+    q_dim, kv_dim = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    per_layer = act * (
+        a["query_hidden_copies"] * q * s.hidden
+        + a["context_kv_copies"] * (tokens + q) * kv_dim
+        + a["mlp_intermediate_copies"] * q * draft_inter
     )
+    if not cuda:  # sdpa: k and v repeated to every query head, and its dense fp32 mask
+        per_layer += act * 2 * (tokens + q) * q_dim + 4 * q * (tokens + q)
     # activation checkpointing: each layer's input kept, one layer's tensors again in its backward
     layers_act = (
-        q * s.hidden * s.draft_layers + per_layer if activation_checkpointing else s.draft_layers * per_layer
+        q * s.hidden * s.draft_layers * act + per_layer
+        if activation_checkpointing
+        else s.draft_layers * per_layer
     )
     share_embedding = share_embedding and target_in_process
     here = 1 if target_in_process else 0
-    forward = tokens * s.intermediate * a["mlp_intermediate_copies"] * s.target_dtype_bytes
+    forward = tokens * s.intermediate * a["target_mlp_copies"] * s.target_dtype_bytes
+    activations = (
+        (s.n_aux + 1) * tokens * s.hidden * s.target_dtype_bytes  # captured aux + last
+        + 2 * tokens * s.hidden * act  # fc output, hidden_norm
+        + q * s.hidden * 4  # noise embedding (fp32 embed_tokens)
+        + layers_act
+    )
+    # train.loss_chunk_rows: one chunk's logits, targets and gradient at a time (chunked_loss.py)
+    logits = min(q, loss_chunk_rows or q) * s.head_rows * a["logit_bytes"][loss] * a["logit_copies"][loss]
+    foreach = (p - muon) * a["adam_foreach_bytes_per_param_cuda"] / moment_shards if cuda else 0
+    step_phase = (0 if grads_persist else grads) + foreach
     return {
         "target_weights": here * s.target_params * s.target_dtype_bytes / gpus_per_copy,
         "target_forward": here * forward,
-        "drafter_trainable": trainable,
+        "drafter_trainable": weights + (grads if grads_persist else 0),
+        # what the optimizer step holds beyond the activations and logits the backward freed
+        "drafter_step": max(0.0, step_phase - activations - logits),
         "drafter_gathered": gathered,
         "drafter_optimizer": optimizer_state / moment_shards,
         # train.share_target_embedding: the in-process target's embedding serves the drafter too
         "drafter_frozen": (0 if share_embedding else s.vocab * s.hidden * 4)
         + s.hidden * 4
-        + (s.drafter_frozen - s.vocab * s.hidden - s.hidden) * head_bytes,
-        "activations": (
-            (s.n_aux + 1) * tokens * s.hidden * s.target_dtype_bytes  # captured aux + last
-            + 2 * tokens * s.hidden * act  # fc output, hidden_norm
-            + q * s.hidden * 4  # noise embedding (fp32 embed_tokens)
-            + layers_act * act
-        ),
-        # train.loss_chunk_rows: one chunk's logits, targets and gradient at a time (chunked_loss.py)
-        "logits": (
-            min(q, loss_chunk_rows or q) * s.head_rows * a["logit_bytes"][loss] * a["logit_copies"][loss]
-        ),
+        + s.head_elements * head_bytes,
+        "activations": activations,
+        "logits": logits,
         "runtime_reserve": a["runtime_reserve_gib_cuda"] * GIB if cuda else 0.0,
     }

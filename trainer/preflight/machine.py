@@ -32,7 +32,7 @@ class DrafterSize:
     @classmethod
     def estimate(cls, cfg: RunConfig, target: TargetInfo) -> DrafterSize:
         s = target.shapes(cfg)
-        head = s.draft_vocab * s.hidden if s.draft_vocab else 0
+        head = s.head_rows * s.hidden if s.draft_vocab else 0
         return cls(trainable=s.drafter_trainable, frozen=s.drafter_frozen, saved_head=head)
 
     @property

@@ -20,20 +20,21 @@ def features_finite(cap, d: Dist) -> bool:
 
 
 @torch.no_grad()
-def target_agreement(drafter, b: dict[str, Any], cap, d: Dist) -> float | None:
+def target_agreement(drafter, b: dict[str, Any], cap, d: Dist, rows: int = 1024) -> float | None:
     """Share of supervised tokens that equal the verifier's own greedy prediction from the
     previous position (pooled over ranks). On data the target wrote itself (what DFlash's
     targets assume) it is near 1. Low: the data was written by another model or with another
     chat template / thinking mode, or the target is broken (its logits collapse). With a draft
     vocabulary the verifier head scores only the kept tokens: its argmax is mapped back to target ids
-    and only tokens of the draft vocabulary are counted."""
+    and only tokens of the draft vocabulary are counted. `rows` tokens are scored at a time: the
+    [T, vocab] logits never materialise at once (the trainer passes its loss chunk, at most 1024)."""
     ids, mask, docs = b["input_ids_t"][0], b["loss_mask_t"][0], b["document_ids_t"][0]
     head, norm = drafter.verifier_lm_head, drafter.verifier_norm
     reduced = bool(getattr(drafter, "use_draft_vocab", False))
     hits = torch.zeros(2, device=d.device)
     T = ids.numel()
-    for s in range(0, T - 1, 1024):  # chunked: T x vocab logits never materialise at once
-        e = min(T - 1, s + 1024)
+    for s in range(0, T - 1, rows):
+        e = min(T - 1, s + rows)
         pred = head(norm(cap.last[0, s:e].float()).to(head.weight.dtype)).argmax(-1)  # bf16 head on CUDA
         sel = (mask[s + 1 : e + 1] != 0) & (docs[s + 1 : e + 1] == docs[s:e])
         if reduced:

@@ -308,7 +308,8 @@ class Trainer:
 
     def target_agreement(self, b: dict[str, Any], cap) -> float | None:
         """Share of supervised tokens that are the verifier's own greedy choice (health.target_agreement)."""
-        return target_agreement(self.drafter, b, cap, self.d)
+        rows = min(1024, self.cfg.train.loss_chunk_rows or 1024)  # no more vocabulary rows than the loss
+        return target_agreement(self.drafter, b, cap, self.d, rows=rows)
 
     def train_step(self) -> dict[str, Any]:
         """One optimizer step over `train.grad_accum_steps` micro-batches per rank: each one's target

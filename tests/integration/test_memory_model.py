@@ -1,0 +1,53 @@
+"""The memory model (trainer/layout/sizing.py) against torch's allocator: real `Trainer` steps in fresh
+processes (bench/memory.py's measurement, on shapes small enough for the suite), each term that
+dominates a configuration within 15 % of the measured peak of live tensor bytes.
+
+What each configuration pins: the logits term (3 fp32 copies of [anchors x block, vocab] at the eager
+loss's peak), the chunked loss's (3 copies of a chunk, and the target-agreement check never scoring
+more rows than a chunk), the drafter's weights, gradients and AdamW moments with the activations on
+one rank, and FSDP2's sharded state plus its gathered layers over 2 gloo ranks. bench/memory.py prints
+the same on the larger shapes, with the savings side by side."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+MIB = 2**20
+VOCAB = {"vocab": 16384, "hidden": 64, "draft_layers": 1, "tokens": 1024, "anchors": 128, "block": 8}
+LAYERS = {"vocab": 1024, "hidden": 512, "draft_layers": 2, "tokens": 256, "anchors": 32, "block": 8}
+
+
+@pytest.fixture(scope="module")
+def bench_memory():
+    spec = importlib.util.spec_from_file_location("bench_memory", REPO / "bench" / "memory.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize(
+    "shape, ranks, train, dominant",
+    [
+        (VOCAB, 1, {}, "logits"),
+        (VOCAB, 1, {"loss_chunk_rows": 128}, "logits"),
+        (LAYERS, 1, {}, "drafter_optimizer"),
+        (LAYERS, 2, {"shard": "full"}, "drafter_gathered"),
+    ],
+    ids=["unchunked", "chunked", "one-rank", "fsdp-2-ranks"],
+)
+def test_the_memory_model_is_within_15_percent_of_the_allocators_peak(
+    bench_memory, shape, ranks, train, dominant
+):
+    row = bench_memory.run_config(shape, ranks, train)
+    parts = row["parts"]
+    assert parts[dominant] > 0.2 * row["predicted"], f"{dominant} does not matter in this configuration"
+    ratio = row["measured"] / row["predicted"]
+    big = {k: round(v / MIB, 1) for k, v in parts.items() if v > MIB}
+    assert 0.85 <= ratio <= 1.15, (
+        f"measured {row['measured'] / MIB:.1f} MiB, the model {row['predicted'] / MIB:.1f} MiB "
+        f"(ratio {ratio:.2f}); the model's parts (MiB): {big}"
+    )
