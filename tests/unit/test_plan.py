@@ -296,7 +296,7 @@ def test_a_draft_vocabulary_and_muon_shrink_the_plan_by_their_own_terms():
 
 def test_a_vllm_split_that_does_not_fit_is_reported_in_words():
     """The text report of `--source vllm` where no split fits names each split tried (it raised a
-    KeyError on the in-process layouts' fields)."""
+    KeyError on the in-process layouts' fields), and its budgets, with no figure printed as None."""
     r = subprocess.run(
         [sys.executable, "-m", "trainer.cli", "plan", "--target-config", QWEN, "--gpu", "A100-40GB"]
         + ["--gpu-count", "8", "--draft-layers", "5", "--block-size", "16", "--anchors", "512"]
@@ -307,3 +307,4 @@ def test_a_vllm_split_that_does_not_fit_is_reported_in_words():
     )
     assert r.returncode == 1, r.stderr
     assert "NONE FITS (tried vLLM TP 1 on 1 GPUs" in r.stdout and "shard optimizer" in r.stdout
+    assert "None GiB" not in r.stdout and "server budget (85% = 34.0 GiB per GPU)" in r.stdout

@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from trainer.errors import DflashError
 from trainer.layout.sizing import ASSUMPTIONS as SIZING_ASSUMPTIONS
@@ -69,10 +69,8 @@ ASSUMPTIONS = {
     "thin_margin_share": 0.97,  # a fit above this share of the budget is flagged as thin
     "memory_model": "trainer/layout/sizing.py",
     **SIZING_ASSUMPTIONS,
-    "shard_auto_order": [
-        "optimizer",
-        "full",
-    ],  # --shard auto: the lightest that fits, outside the thin margin
+    # --shard auto: the lightest that fits, outside the thin margin
+    "shard_auto_order": ["optimizer", "full"],
     "share_target_embedding": True,  # the key's default: the drafter reads its target copy's embedding
     "mfu": 0.35,  # model FLOPs utilisation of the target forward (bf16)
     # --source vllm (target.source: vllm): a vLLM server on k GPUs (TP t x DP r) holds the target
@@ -260,22 +258,35 @@ def _levels(r: Recipe, dp: int) -> tuple[str, ...]:
     return AUTO_SHARD_ORDER if dp > 1 else ("none",)  # one rank per copy set: nothing to shard over
 
 
-def _lightest_level(
-    levels: tuple[str, ...], parts_of, budget: float
-) -> tuple[str, dict[str, float], float, list]:
-    """The lightest train.shard level whose estimate fits outside the thin margin (`thin_margin_share` of
-    `budget`); else the lightest that fits at all; else the heaviest tried. Returns (level, parts, need,
-    [(level, need) tried])."""
-    tried, thin = [], None
+class LevelFit(NamedTuple):
+    """The train.shard level `_lightest_level` chose, what it needs, and every level it tried."""
+
+    shard: str
+    parts: dict[str, float]
+    need: float
+    thin: bool  # it fits, but above `thin_margin_share` of the budget
+    tried: list[tuple[str, float]]  # (level, need) in the order tried
+
+
+def _is_thin(need: float, budget: float) -> bool:
+    """A fit above `thin_margin_share` of the budget: too close to the model's error to trust."""
+    return need <= budget and need > ASSUMPTIONS["thin_margin_share"] * budget
+
+
+def _lightest_level(levels: tuple[str, ...], parts_of, budget: float) -> LevelFit:
+    """The lightest train.shard level whose estimate fits outside the thin margin; else the lightest that
+    fits at all; else the heaviest tried."""
+    tried, chosen = [], None
     for shard in levels:
         parts = parts_of(shard)
         need = sum(parts.values())
         tried.append((shard, need))
-        if need <= ASSUMPTIONS["thin_margin_share"] * budget:
-            return shard, parts, need, tried
-        if need <= budget and thin is None:
-            thin = (shard, parts, need)
-    return (*(thin or (shard, parts, need)), tried)
+        if need <= budget and not _is_thin(need, budget):
+            return LevelFit(shard, parts, need, False, tried)
+        if need <= budget and chosen is None:
+            chosen = (shard, parts, need)
+    shard, parts, need = chosen or (shard, parts, need)
+    return LevelFit(shard, parts, need, _is_thin(need, budget), tried)
 
 
 def choose_layout(
@@ -294,13 +305,11 @@ def choose_layout(
 
     for n in candidates:
         dp = count // n
-        shard, parts, need, levels = _lightest_level(
-            _levels(r, dp), lambda level: per_gpu_bytes(t, n, dp, r, level), budget
-        )
-        tried += [{"gpus_per_copy": n, "shard": lv, "per_gpu_gib": round(x / GIB, 1)} for lv, x in levels]
+        fit = _lightest_level(_levels(r, dp), lambda level: per_gpu_bytes(t, n, dp, r, level), budget)
+        shard, parts, need, thin = fit.shard, fit.parts, fit.need, fit.thin
+        tried += [{"gpus_per_copy": n, "shard": lv, "per_gpu_gib": round(x / GIB, 1)} for lv, x in fit.tried]
         if need <= budget or override:
             fits = need <= budget
-            thin = fits and need > ASSUMPTIONS["thin_margin_share"] * budget
             smaller = (
                 [(m, k) for m in candidates if m < n and (k := anchors_for(m, shard)) > 0] if thin else []
             )
@@ -397,11 +406,12 @@ def choose_disaggregated(t: TargetShape, memory_gib: float, count: int, r: Recip
             in_flight = a["vllm_kv_batches_per_rank"] * m * r.tokens
             server = vllm_gpu_bytes(t, tp, in_flight, r.n_aux)
             s_need = sum(server.values())
-            shard, trainer, t_need, _ = _lightest_level(
+            fit = _lightest_level(
                 _levels(r, m),
                 lambda level: per_gpu_bytes(t, 1, m, r, level, target_in_process=False),
                 trainer_budget,
             )
+            shard, trainer, t_need = fit.shard, fit.parts, fit.need
             tried.append(
                 {
                     "vllm_gpus": k,
@@ -446,11 +456,11 @@ def choose_disaggregated(t: TargetShape, memory_gib: float, count: int, r: Recip
         }
     return {
         "fits": False,
-        "reason": "no split fits: "
-        + ", ".join(
-            f"TP {x['tensor_parallel']} x {x['vllm_gpus'] // x['tensor_parallel']}: server "
-            f"{x['server_gib']} GiB, trainer {x['trainer_gib']} GiB"
-            for x in tried[:6]
+        "reason": (
+            f"no split fits both the server budget ({a['vllm_gpu_memory_utilization']:.0%} = "
+            f"{server_budget / GIB:.1f} GiB per GPU) and the trainer budget "
+            f"({a['usable_share']:.0%} = {trainer_budget / GIB:.1f} GiB per GPU): more GPUs, GPUs with "
+            "more memory, or a smaller batch (--anchors, --tokens-per-batch)"
         ),
         "tried": tried,
     }
@@ -712,8 +722,12 @@ def render_text(p: dict[str, Any]) -> str:
             if p["gpus_per_copy"] is not None
             else "layout   NONE FITS (tried " + ", ".join(map(_tried_text, p["tried"])) + ")"
         ),
-        f"memory   ~{p['per_gpu_memory_gib']} GiB per {'trainer ' if p.get('vllm') else ''}GPU: "
-        + ", ".join(f"{k} {v}" for k, v in p["per_gpu_breakdown_gib"].items()),
+        (
+            f"memory   ~{p['per_gpu_memory_gib']} GiB per {'trainer ' if p.get('vllm') else ''}GPU: "
+            + ", ".join(f"{k} {v}" for k, v in p["per_gpu_breakdown_gib"].items())
+            if p["per_gpu_memory_gib"] is not None
+            else "memory   per GPU of each split tried: see layout"
+        ),
         f"why      {p['reason']}",
     ]
     o = p["offline_vs_online"]
