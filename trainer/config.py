@@ -124,6 +124,13 @@ class DrafterConfig(_Section):
         "rows instead of the vocabulary (the frozen 49k-row head dominates a CPU step on SmolLM2)",
     )
 
+    def attention_on(self, cuda: bool) -> str:
+        """The attention implementation the drafter runs with: `auto` is flex attention on CUDA
+        (speculators' default) and sdpa on CPU, which has no flex-attention backward."""
+        if self.attn_implementation == "auto":
+            return "simple_flex_attention" if cuda else "sdpa"
+        return self.attn_implementation
+
     @property
     def aux_ids(self) -> list[int]:
         """aux_layer_ids in speculators' convention (HF hidden_states index)."""

@@ -10,10 +10,9 @@ import torch
 from trainer.config import RunConfig
 
 
-def resolve_attn_impl(name: str, device: torch.device) -> str:
-    """CPU has no flex-attention backward: sdpa there; flex on CUDA (speculators' default)."""
-    if name == "auto":
-        return "simple_flex_attention" if device.type == "cuda" else "sdpa"
+def resolve_attn_impl(cfg: RunConfig, device: torch.device) -> str:
+    """drafter.attn_implementation on `device`; flex attention has no backward on CPU."""
+    name = cfg.drafter.attention_on(cuda=device.type == "cuda")
     if name == "simple_flex_attention" and device.type != "cuda":
         raise ValueError("drafter.attn_implementation simple_flex_attention has no backward on CPU: use sdpa")
     return name
@@ -71,7 +70,7 @@ def build_drafter(cfg: RunConfig, device: torch.device, head_dtype: torch.dtype 
         verifier_name_or_path=str(cfg.target.path),
         target_layer_ids=cfg.drafter.aux_ids,
         mask_token_id=cfg.drafter.mask_token_id,
-        draft_attn_impl=resolve_attn_impl(cfg.drafter.attn_implementation, device),
+        draft_attn_impl=resolve_attn_impl(cfg, device),
     )
     model.draft_vocab_coverage = dv.coverage if mapping else 1.0  # share of supervised tokens kept
     if list(model.target_layer_ids) != list(cfg.drafter.aux_ids):  # never silently rewired

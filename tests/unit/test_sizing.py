@@ -149,6 +149,31 @@ def test_plan_and_preflight_give_the_same_figures(make_config):
     assert plan["logits"] == 256 * t.vocab * 2 * 3, "the chunk, not the 64 x 16 query rows"
 
 
+def test_preflight_models_the_attention_the_drafter_runs_with(make_config):
+    """drafter.attn_implementation sdpa on CUDA keeps k and v repeated to every query head and a dense
+    mask per draft layer; auto (flex attention there) keeps neither. The model followed the device, so
+    a CUDA run set to sdpa was modelled as flex attention."""
+    from dataclasses import replace
+
+    info = TargetInfo.from_folder(QWEN)
+    info = replace(info, stored_params=read_target(QWEN / "config.json").params)
+
+    def activations(impl: str, cuda: bool) -> float:
+        cfg = load_config(
+            make_config(drafter={"aux_layer_ids": [2, 10, 18, 26, 34], "attn_implementation": impl}),
+            [f"target.path={QWEN}", "train.max_anchors=64"],
+        )
+        return estimate_memory(cfg, info, cuda=cuda, world_size=1)["activations"], cfg
+
+    flex, cfg = activations("auto", cuda=True)
+    sdpa, _ = activations("sdpa", cuda=True)
+    tokens, q = cfg.train.max_tokens_per_batch, 64 * cfg.drafter.block_size
+    t = read_target(QWEN / "config.json")
+    dense = 2 * 2 * (tokens + q) * t.heads * t.head_dim + 4 * q * (tokens + q)  # bf16 k/v, fp32 mask
+    assert sdpa - flex == pytest.approx(cfg.drafter.num_layers * dense, rel=1e-9)
+    assert activations("auto", cuda=False)[0] == activations("sdpa", cuda=False)[0]
+
+
 @pytest.mark.parametrize(
     "target_shape, drafter",
     [

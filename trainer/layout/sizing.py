@@ -181,6 +181,7 @@ def per_device_bytes(
     share_embedding: bool = True,
     target_in_process: bool = True,
     optimizer: str = "adamw",
+    dense_attention: bool | None = None,
 ) -> dict[str, float]:
     """Bytes on the first GPU of a target copy (or in host RAM for device="cpu"), by part.
 
@@ -188,7 +189,10 @@ def per_device_bytes(
     the activation width (train.precision float32 on CUDA = 4). `target_in_process` False
     (`target.source: vllm`): a trainer rank holds no target weights and runs no target forward, and
     the drafter keeps its own embedding (there is no target copy to share it with); the captured
-    features still arrive on its device."""
+    features still arrive on its device. `dense_attention` (default: on CPU): the draft layers run
+    sdpa (or eager) attention, which keeps k and v repeated to every query head and a dense mask;
+    flex attention (drafter.attn_implementation auto on CUDA) keeps neither. Eager attention's score
+    matrices are not modelled: it is a lower bound there."""
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device {device!r}: use cuda or cpu")
     if shard not in SHARD_LEVELS:
@@ -228,7 +232,8 @@ def per_device_bytes(
         + a["context_kv_copies"] * (tokens + q) * kv_dim
         + a["mlp_intermediate_copies"] * q * draft_inter
     )
-    if not cuda:  # sdpa: k and v repeated to every query head, and its dense fp32 mask
+    if (not cuda) if dense_attention is None else dense_attention:
+        # sdpa: k and v repeated to every query head, and its dense fp32 mask
         per_layer += act * 2 * (tokens + q) * q_dim + 4 * q * (tokens + q)
     # activation checkpointing: each layer's input kept, one layer's tensors again in its backward
     layers_act = (

@@ -101,6 +101,7 @@ def estimate_memory(
         share_embedding=t.share_target_embedding,
         target_in_process=cfg.target.source == "hooked",
         optimizer=t.optimizer,
+        dense_attention=cfg.drafter.attention_on(cuda) != "simple_flex_attention",
     )
 
 
