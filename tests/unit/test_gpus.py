@@ -15,9 +15,9 @@ from trainer.layout.gpus import (
     check_expected,
     cuda_driver_problem,
     decide,
+    driver_cuda,
     min_driver_for_cuda,
     parse_query,
-    torch_cuda_tag,
 )
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures" / "nvidia-smi"
@@ -88,9 +88,10 @@ def test_cuda_needs_driver_rules():
     "machine, cuda, driver_action, cuda_action",
     [
         ("a100-8x40gb", "12.4", "keep", "install"),
-        ("a100-8x40gb", "13.0", "refuse", "refuse"),  # 550 cannot run CUDA 13: leave the driver, refuse
+        ("a100-8x40gb", "13.0", "keep", "refuse"),  # 550 cannot run CUDA 13: the driver is left alone
+        ("a100-8x40gb", None, "keep", "install"),  # the driver's CUDA: 12.4
         ("pro6000-4x96gb", "12.8", "keep", "install"),
-        ("pro6000-4x96gb", "13.0", "refuse", "refuse"),
+        ("pro6000-4x96gb", "13.0", "keep", "refuse"),
         ("pro6000-4x96gb", "12.4", "keep", "refuse"),  # Blackwell needs CUDA >= 12.8
         ("b200-8x183gb", "13.0", "keep", "install"),
         ("h200-1x141gb", "12.8", "keep", "install"),
@@ -101,6 +102,27 @@ def test_decisions_on_the_seeds_machines(machine, cuda, driver_action, cuda_acti
     d = decide(facts(machine), 580, cuda)
     assert d["driver"]["action"] == driver_action, d
     assert d["cuda"]["action"] == cuda_action, d
+
+
+def test_the_toolkit_follows_the_driver_and_the_a100_is_not_refused():
+    d = decide(facts("a100-8x40gb"), 580)
+    assert d["cuda_version"] == "12.4" and d["cuda"]["reason"].startswith("install CUDA toolkit 12.4")
+    pinned = decide(facts("a100-8x40gb"), 580, "13.0")["cuda"]["reason"]
+    assert "needs NVIDIA driver >= 580" in pinned and "left alone" in pinned
+
+
+def test_no_toolkit_wanted_is_a_skip_with_its_reason():
+    d = decide(facts("b200-8x183gb"), 580, toolkit_wanted=False)
+    assert d["driver"]["action"] == "keep" and d["cuda"]["action"] == "skip"
+    assert "nothing on this node needs nvcc" in d["cuda"]["reason"]
+    # no GPU says so first, whatever is wanted
+    assert "no NVIDIA GPU" in decide(build_facts(None), 580, toolkit_wanted=False)["cuda"]["reason"]
+
+
+def test_driver_cuda_from_the_banner_or_the_branch():
+    assert driver_cuda("550.127.05", "12.4") == "12.4"
+    assert driver_cuda("550.127.05") == "12.4" and driver_cuda("580") == "13.0"
+    assert driver_cuda("572.1") == "12.8" and driver_cuda("418.1") is None
 
 
 def test_no_driver_installs_the_pin_unless_secure_boot():
@@ -118,12 +140,6 @@ def test_no_driver_installs_the_pin_unless_secure_boot():
 def test_toolkit_already_at_the_pin_is_kept():
     d = decide(facts("h200-1x141gb"), 580, "12.8", toolkit_installed="12.8.93")
     assert d["cuda"]["action"] == "keep"
-
-
-def test_torch_wheel_flavour_follows_the_driver():
-    assert torch_cuda_tag("580.82.07") == "cu130"
-    assert torch_cuda_tag("550.127.05") == "cu128"
-    assert torch_cuda_tag("470.1") is None
 
 
 def test_expected_group_vars_match_the_recorded_machines():
@@ -184,7 +200,9 @@ def test_cli_facts_and_decide(tmp_path):
         text=True,
         check=False,
     )
-    assert r.returncode == 0 and json.loads(r.stdout)["driver"]["action"] == "refuse"
+    out = json.loads(r.stdout)
+    assert r.returncode == 0 and out["driver"]["action"] == "keep" and out["cuda"]["action"] == "refuse"
+    assert out["torch"]["tag"] == "cu126"
     r = subprocess.run(
         [sys.executable, "-m", "trainer.cli", "gpu", "facts", "--query", tmp_path / "missing.csv"],
         capture_output=True,

@@ -112,27 +112,42 @@ def _gpu_facts(args) -> int:
 
 
 def _gpu_decide(args) -> int:
-    from trainer.layout.gpus import decide
+    from trainer.layout import cuda_build
+    from trainer.layout.gpus import GpuFactsError, decide
 
     facts = _json(_read(args.facts) or "{}", args.facts)
-    gpus = facts.get("gpus", facts)
+    gpus = facts.get("gpus", facts) if isinstance(facts, dict) else None
+    if not isinstance(gpus, dict):
+        raise GpuFactsError(f"{args.facts}: not GPU facts (`dflash gpu facts` output or a recon.json)")
     out = decide(
         gpus,
         args.driver_branch,
-        args.cuda_version,
+        args.cuda_version or None,
         secure_boot={"yes": True, "no": False}.get(args.secure_boot),
         toolkit_installed=args.toolkit_installed or None,
+        toolkit_wanted=args.toolkit_wanted == "yes",
     )
+    out["torch"] = cuda_build.for_decision(gpus, out)
     print(json.dumps(out, indent=1))
     return 0
 
 
 def register(sub) -> None:
     p = sub.add_parser(
-        "plan", help="GPUs per target copy, data-parallel width, memory and offline/online arithmetic"
+        "plan",
+        help="GPUs per target copy (or a vLLM split), data-parallel width, memory, and the run config keys "
+        "that layout needs",
     )
     p.add_argument(
-        "--target-config", required=True, metavar="FILE", help="the target's config.json (or its folder)"
+        "--config",
+        metavar="RUN_YAML",
+        help="the run config ('-': read it from stdin): every recipe key and the target (target.path) come "
+        "from it; then the recipe flags below are refused (set their keys in it)",
+    )
+    p.add_argument(
+        "--target-config",
+        metavar="FILE",
+        help="the target's config.json (or its folder); with --config: a copy of target.path's here",
     )
     p.add_argument("--gpu", help="GPU kind: A100-40GB, A100-80GB, H100-80GB, H200, B200, RTX-PRO-6000-96GB")
     p.add_argument("--gpu-count", type=int, help="GPUs on the node")
@@ -147,47 +162,46 @@ def register(sub) -> None:
     p.add_argument(
         "--nodes", type=int, help="nodes in the run (default: one, or one per --facts); each gets the layout"
     )
-    p.add_argument("--gpus-per-copy", type=int, help="force the layout (the inventory override)")
-    p.add_argument(
+    r = p.add_argument_group(
+        "recipe flags (without --config; each default is its run-config key's)",
+    )
+    r.add_argument("--gpus-per-copy", type=int, help="target.gpus_per_copy: force the in-process layout")
+    r.add_argument(
         "--source",
         choices=["auto", "hooked", "vllm"],
-        default="auto",
         help="target.source: hooked (a target copy per trainer), vllm (a vLLM server holds the target, "
         "the other GPUs train) or auto (hooked when it fits, else vllm; the default)",
     )
-    p.add_argument("--dtype", default="bfloat16", help="target weight dtype (default bfloat16)")
-    p.add_argument("--draft-layers", type=int, default=1, help="drafter decoder layers (default 1)")
-    p.add_argument("--aux-layers", type=int, default=5, help="target layers fed to the drafter (default 5)")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--anchors", type=int, default=512)
-    p.add_argument("--tokens-per-batch", type=int, default=8192)
-    p.add_argument(
+    r.add_argument("--dtype", help="target weight dtype (default bfloat16)")
+    r.add_argument("--draft-layers", type=int, help="drafter.num_layers")
+    r.add_argument("--aux-layers", type=int, help="len(drafter.aux_layer_ids) (default 5)")
+    r.add_argument("--block-size", type=int, help="drafter.block_size")
+    r.add_argument("--anchors", type=int, help="train.max_anchors")
+    r.add_argument("--tokens-per-batch", type=int, help="train.max_tokens_per_batch")
+    r.add_argument(
         "--loss-chunk-rows",
         type=int,
-        default=0,
-        help="train.loss_chunk_rows: logits and loss over this many rows at a time (default 0: all at once)",
+        help="train.loss_chunk_rows: logits and loss over this many rows at a time (0: all at once)",
     )
-    p.add_argument(
+    r.add_argument(
         "--shard",
         choices=["auto", "none", "optimizer", "full"],
-        default="auto",
         help="train.shard (default auto: the lightest level that fits, optimizer then full)",
     )
-    p.add_argument(
+    r.add_argument(
         "--activation-checkpointing",
         action="store_true",
+        default=None,
         help="train.activation_checkpointing: recompute the draft layers in the backward",
     )
-    p.add_argument(
+    r.add_argument(
         "--draft-vocab-size",
         type=int,
-        default=None,
         help="drafter.draft_vocab_size: heads and logits over this many tokens (default: the vocabulary)",
     )
-    p.add_argument(
+    r.add_argument(
         "--optimizer",
         choices=["adamw", "muon"],
-        default="adamw",
         help="train.optimizer: muon keeps one momentum per weight-matrix element instead of two moments",
     )
     p.add_argument("--samples", type=int, default=902_000, help="training samples (default: the seeds' 902K)")
@@ -256,10 +270,22 @@ def register(sub) -> None:
     f.add_argument("--smi-text", help="plain nvidia-smi output as a string")
     f.add_argument("--expected", help="JSON of the group's expected_gpu_* vars to compare with")
     f.set_defaults(func=_gpu_facts)
-    d = gsub.add_parser("decide", help="what the nvidia_driver and cuda_toolkit roles should do")
+    d = gsub.add_parser(
+        "decide", help="what nvidia_driver and cuda_toolkit should do, and the torch/vLLM CUDA build"
+    )
     d.add_argument("--facts", required=True, help="JSON from `dflash gpu facts` (or a recon.json)")
-    d.add_argument("--driver-branch", type=int, required=True, help="pinned driver branch, e.g. 580")
-    d.add_argument("--cuda-version", required=True, help="pinned CUDA toolkit version, e.g. 13.0")
+    d.add_argument(
+        "--driver-branch", type=int, default=580, help="branch installed where there is no driver (580)"
+    )
+    d.add_argument(
+        "--cuda-version", default="", help="pinned CUDA toolkit version, e.g. 12.4 (empty: the driver's CUDA)"
+    )
+    d.add_argument(
+        "--toolkit-wanted",
+        choices=["yes", "no"],
+        default="yes",
+        help="no: the toolkit is skipped (no nvcc needed)",
+    )
     d.add_argument("--secure-boot", choices=["yes", "no", "unknown"], default="unknown")
     d.add_argument("--toolkit-installed", help="version of an installed CUDA toolkit (nvcc), if any")
     d.set_defaults(func=_gpu_decide)

@@ -9,7 +9,11 @@ Rules (NVIDIA's CUDA release notes, "minimum required driver", Linux):
 - CUDA 13.x needs driver >= 580, CUDA 12.x >= 525 (minor-version compatibility), 11.x >= 450.
 - A GPU architecture needs a CUDA release that knows it: Blackwell (compute capability 10.x/12.x)
   needs CUDA >= 12.8, Hopper (9.0) >= 11.8, Ampere (8.x) >= 11.0.
-- The driver's own "CUDA Version" (top right of `nvidia-smi`) is the newest CUDA it can run.
+- The driver's own "CUDA Version" (top right of `nvidia-smi`) is the newest CUDA it can run natively
+  (DRIVER_CUDA says the same for a driver whose banner was not recorded).
+- The CUDA a node runs follows its driver: a working driver is never replaced (upgrading a rented node's
+  driver under its container runtime breaks it); the toolkit, when one is wanted, defaults to the
+  driver's CUDA; the torch/vLLM build is chosen by trainer/layout/cuda_build.py.
 """
 
 from __future__ import annotations
@@ -29,6 +33,23 @@ QUERY_COMMAND = ["nvidia-smi", f"--query-gpu={','.join(QUERY_FIELDS)}", "--forma
 
 # CUDA major -> minimum Linux driver branch (minor-version compatibility within a major).
 MIN_DRIVER_FOR_CUDA_MAJOR = {11: 450, 12: 525, 13: 580}
+# Linux driver branch -> the newest CUDA it runs natively (NVIDIA's CUDA release notes, table 3), newest
+# first: what `nvidia-smi` prints as "CUDA Version" for that driver.
+DRIVER_CUDA = (
+    (580, "13.0"),
+    (575, "12.9"),
+    (570, "12.8"),
+    (565, "12.7"),
+    (560, "12.6"),
+    (555, "12.5"),
+    (550, "12.4"),
+    (545, "12.3"),
+    (535, "12.2"),
+    (530, "12.1"),
+    (525, "12.0"),
+    (520, "11.8"),
+    (450, "11.0"),
+)
 # compute capability major -> (architecture, oldest CUDA that supports it)
 ARCH_BY_CC_MAJOR = {
     7: ("Volta/Turing", (10, 0)),
@@ -117,6 +138,15 @@ def cuda_driver_problem(cuda: str, driver: str) -> str | None:
     return None
 
 
+def driver_cuda(driver: str, banner_cuda: str | None = None) -> str | None:
+    """The newest CUDA `driver` runs natively: nvidia-smi's banner when recorded, else DRIVER_CUDA."""
+    if banner_cuda:
+        parse_version(banner_cuda)
+        return banner_cuda
+    major = parse_version(driver)[0]
+    return next((cuda for branch, cuda in DRIVER_CUDA if major >= branch), None)
+
+
 def cuda_arch_problem(cuda: str, compute_cap: str) -> str | None:
     cc_major = parse_version(compute_cap)[0]
     arch = ARCH_BY_CC_MAJOR.get(cc_major)
@@ -186,76 +216,81 @@ def check_expected(gpus: dict[str, Any], expected: dict[str, Any]) -> list[str]:
 def decide(
     gpus: dict[str, Any],
     driver_branch: int,
-    cuda_version: str,
+    cuda_version: str | None = None,
     secure_boot: bool | None = None,
     toolkit_installed: str | None = None,
+    toolkit_wanted: bool = True,
 ) -> dict[str, Any]:
     """What nvidia_driver and cuda_toolkit should do on a host with these GPU facts.
 
-    driver.action: skip (no GPU) | keep (a working driver that can run `cuda_version`) | install
-    (no working driver) | refuse (Secure Boot on with no driver: an unsigned module would not load;
-    or a working driver too old for `cuda_version`: upgrading a rented node's driver under its
-    container runtime breaks it, so a person decides).
-    cuda.action: skip | keep (toolkit already at `cuda_version`) | install | refuse (the pair cannot work).
+    driver.action: skip (no GPU) | keep (a working driver: always left alone) | install (no working
+    driver: the pinned branch) | refuse (Secure Boot on with no driver: an unsigned module would not
+    load; or a pinned branch that cannot run a pinned `cuda_version`).
+    cuda.action: skip (no GPU, or no toolkit wanted) | keep (toolkit already at the version) | install |
+    refuse (the pair cannot work). The toolkit's version is `cuda_version` when pinned, else the CUDA
+    the driver runs (`cuda_version` in the answer says which).
     """
     out: dict[str, Any] = {"driver_branch": driver_branch, "cuda_version": cuda_version}
-    pin_problem = None
-    need = min_driver_for_cuda(cuda_version)
-    if driver_branch < need:
-        pin_problem = f"pinned driver branch {driver_branch} cannot run CUDA {cuda_version} (needs >= {need})"
     if not gpus.get("count"):
         reason = "no NVIDIA GPU on this host (nvidia-smi absent or lists none)"
         out["driver"] = {"action": "skip", "reason": reason}
         out["cuda"] = {"action": "skip", "reason": reason}
         return out
     driver = gpus.get("driver")
-    arch_problem = cuda_arch_problem(cuda_version, gpus["compute_cap"]) if gpus.get("compute_cap") else None
     if driver:
-        problem = cuda_driver_problem(cuda_version, driver)
-        if problem:
-            out["driver"] = {
-                "action": "refuse",
-                "reason": f"{problem}; the working driver is left alone: pick a CUDA this driver runs "
-                f"(cuda_toolkit_version) or upgrade the driver by hand (docs: Troubleshooting)",
-            }
-        else:
-            out["driver"] = {"action": "keep", "reason": f"working driver {driver} runs CUDA {cuda_version}"}
+        out["driver"] = {"action": "keep", "reason": f"working driver {driver}: left alone"}
+        effective = driver
     elif secure_boot:
         out["driver"] = {
             "action": "refuse",
             "reason": "Secure Boot is enabled and no NVIDIA driver is loaded: an unsigned kernel module "
             "would not load. Disable Secure Boot or enroll a MOK key, then re-run (docs: Troubleshooting)",
         }
-    elif pin_problem:
-        out["driver"] = {"action": "refuse", "reason": pin_problem}
+        effective = None
+    elif cuda_version and driver_branch < min_driver_for_cuda(cuda_version):
+        out["driver"] = {
+            "action": "refuse",
+            "reason": f"pinned driver branch {driver_branch} cannot run CUDA {cuda_version} "
+            f"(needs >= {min_driver_for_cuda(cuda_version)})",
+        }
+        effective = None
     else:
         out["driver"] = {"action": "install", "reason": f"no working driver: install branch {driver_branch}"}
-    effective_driver = driver or (str(driver_branch) if out["driver"]["action"] == "install" else None)
-    if arch_problem:
-        out["cuda"] = {"action": "refuse", "reason": arch_problem}
-    elif effective_driver is None or out["driver"]["action"] == "refuse":
-        out["cuda"] = {
-            "action": "refuse",
-            "reason": f"no driver that runs CUDA {cuda_version}: {out['driver']['reason']}",
-        }
-    elif toolkit_installed and parse_version(toolkit_installed)[:2] == parse_version(cuda_version)[:2]:
-        out["cuda"] = {"action": "keep", "reason": f"CUDA toolkit {toolkit_installed} already installed"}
-    else:
-        out["cuda"] = {
-            "action": "install",
-            "reason": f"install CUDA toolkit {cuda_version} (driver {effective_driver} runs it)",
-        }
+        effective = str(driver_branch)
+    runs = driver_cuda(effective, gpus.get("driver_cuda") if driver else None) if effective else None
+    cuda = cuda_version or runs
+    out["cuda_version"] = cuda
+    out["cuda"] = _toolkit(gpus, effective, out["driver"], cuda, toolkit_installed, toolkit_wanted)
     return out
 
 
-def torch_cuda_tag(driver: str) -> str | None:
-    """The newest PyTorch CUDA wheel flavour a driver runs (cu130 needs 580, cu12x 525)."""
-    major = parse_version(driver)[0]
-    if major >= 580:
-        return "cu130"
-    if major >= 525:
-        return "cu128"
-    return None
+def _toolkit(gpus, effective, driver_out, cuda, installed, wanted) -> dict[str, str]:
+    if effective is None:
+        return {"action": "refuse", "reason": f"no driver to run a CUDA toolkit: {driver_out['reason']}"}
+    if not wanted:
+        return {
+            "action": "skip",
+            "reason": "nothing on this node needs nvcc (torch and vLLM bring their CUDA libraries; "
+            "cuda_toolkit_install: false)",
+        }
+    if cuda is None:
+        return {
+            "action": "refuse",
+            "reason": f"driver {effective} is too old for any CUDA this role installs",
+        }
+    problem = cuda_driver_problem(cuda, effective)
+    if problem:
+        return {
+            "action": "refuse",
+            "reason": f"{problem}; the working driver is left alone: leave cuda_toolkit_version empty "
+            "(the driver's CUDA) or upgrade the driver by hand (docs: Troubleshooting)",
+        }
+    arch = cuda_arch_problem(cuda, gpus["compute_cap"]) if gpus.get("compute_cap") else None
+    if arch:
+        return {"action": "refuse", "reason": arch}
+    if installed and parse_version(installed)[:2] == parse_version(cuda)[:2]:
+        return {"action": "keep", "reason": f"CUDA toolkit {installed} already installed"}
+    return {"action": "install", "reason": f"install CUDA toolkit {cuda} (driver {effective} runs it)"}
 
 
 def dumps(obj: Any) -> str:
