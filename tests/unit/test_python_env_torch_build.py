@@ -1,0 +1,64 @@
+"""python_env installs the torch (and vLLM) build `dflash gpu decide` chose (roles/python_env/vars/main.yml,
+rendered as Ansible would; the decision itself: tests/unit/test_cuda_build.py)."""
+
+import pytest
+
+from tests.unit.test_role_contracts import render_role_var
+
+BASE = {
+    "dflash_root": "/opt/dflash",
+    "dflash_repo": "/repo",
+    "python_env_repo": "/repo",
+    "python_env_engine": False,
+    "python_env_engine_files": ["requirements/cuda-engine.txt", "requirements/cuda-engine-no-deps.txt"],
+    "python_env_vllm_version": "0.32.0",  # vars/main.yml reads it from requirements/cuda-engine.txt
+}
+BUILD = {"action": "install", "kind": "cuda", "tag": "cu126", "pypi": False}
+
+
+def args(name, **values):
+    return render_role_var("python_env", name, {**BASE, "python_env_torch_kind": "cuda", **values})
+
+
+def test_uv_gets_the_build_as_its_torch_backend():
+    assert args("python_env_index_args", python_env_torch_build=BUILD) == ["--torch-backend", "cu126"]
+    assert args("python_env_torch_build_args", python_env_torch_build=BUILD) == [
+        "--reinstall-package",
+        "torch",
+    ]
+
+
+def test_pypi_build_and_cpu_need_no_reinstall():
+    pypi = {**BUILD, "tag": "cu130", "pypi": True}
+    assert args("python_env_index_args", python_env_torch_build=pypi) == ["--torch-backend", "cu130"]
+    assert args("python_env_torch_build_args", python_env_torch_build=pypi) == []
+    cpu = {"action": "given", "tag": "cpu", "pypi": False}
+    assert args("python_env_torch_build_args", python_env_torch_build=cpu) == []
+
+
+def test_the_wheel_cache_decides_alone():
+    cache = {"python_env_wheel_cache": "/cache", "python_env_torch_build": BUILD}
+    assert args("python_env_index_args", **cache) == ["--no-index", "--find-links", "/opt/dflash/wheels"]
+    assert args("python_env_torch_build_args", **cache) == []
+
+
+def test_no_decision_yet_keeps_the_default_index():
+    assert args("python_env_index_args") == []
+    assert args("python_env_index_args", python_env_torch_backend="cu128") == ["--torch-backend", "cu128"]
+
+
+@pytest.mark.parametrize("engine", [True, False])
+def test_vllm_comes_as_its_cuda_build_with_the_engine(engine):
+    got = args(
+        "python_env_torch_build_args",
+        python_env_torch_build=BUILD,
+        python_env_engine=engine,
+    )
+    vllm = [
+        "--reinstall-package",
+        "vllm",
+        "--find-links",
+        "https://github.com/vllm-project/vllm/releases/expanded_assets/v0.32.0",
+        "vllm==0.32.0+cu126",
+    ]
+    assert got == ["--reinstall-package", "torch", *(vllm if engine else [])]
