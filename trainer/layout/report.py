@@ -1,0 +1,118 @@
+"""`dflash plan`'s arithmetic beyond the layout (offline storage of hidden states, tokens/s and wall time
+per GPU kind) and its text report. Light side: stdlib only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trainer.layout.hardware import GPU_CATALOG
+from trainer.layout.recipe import ASSUMPTIONS, DTYPE_BYTES, TargetShape
+
+
+def offline_arithmetic(
+    t: TargetShape,
+    n_aux: int,
+    samples: int,
+    mean_tokens: float,
+    epochs: float,
+    count: int,
+    gpus_per_copy: int | None,
+) -> dict[str, Any]:
+    a = ASSUMPTIONS
+    wb = DTYPE_BYTES[t.dtype]
+    per_token = n_aux * t.hidden * wb
+    total_tokens = samples * mean_tokens
+    out: dict[str, Any] = {
+        "bytes_per_token": per_token,
+        "offline_storage_bytes": int(per_token * total_tokens),
+        "offline_storage_tb": round(per_token * total_tokens / 1e12, 1),
+        "formula": f"{n_aux} aux layers x {t.hidden} hidden x {wb} B x {mean_tokens:g} tokens "
+        f"x {samples} samples",
+        "per_hardware": [],
+    }
+    flops_per_token = 2 * t.params * (1 + a["drafter_compute_share"])
+    for name, spec in GPU_CATALOG.items():
+        tok_s_gpu = spec["bf16_tflops"] * 1e12 * a["mfu"] / flops_per_token
+        tok_s = tok_s_gpu * count
+        out["per_hardware"].append(
+            {
+                "gpu": name,
+                "gpus": count,
+                "tokens_per_s": round(tok_s),
+                "stream_bandwidth_gb_s": round(tok_s * per_token / 1e9, 2),
+                "link": spec["link"],
+                "wall_hours": round(total_tokens * epochs / tok_s / 3600, 1),
+            }
+        )
+    out["online_note"] = (
+        "online training recomputes the target forward each epoch instead of storing hidden states; an "
+        "online split (target GPUs streaming to drafter GPUs) moves stream_bandwidth_gb_s over the link"
+    )
+    return out
+
+
+def flat_keys(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"train": {"shard": "full"}} -> {"train.shard": "full"}: a run config's keys as its docs name them."""
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(flat_keys(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _tried_text(t: dict[str, Any]) -> str:
+    """One layout `choose_layout` or `choose_disaggregated` tried, in words."""
+    if "gpus_per_copy" in t:
+        return f"{t['gpus_per_copy']} per copy, shard {t['shard']}: {t['per_gpu_gib']} GiB"
+    return (
+        f"vLLM TP {t['tensor_parallel']} on {t['vllm_gpus']} GPUs ({t['server_gib']} GiB each) + "
+        f"{t['trainer_gpus']} trainer GPUs, shard {t['shard']} ({t['trainer_gib']} GiB each)"
+    )
+
+
+def render_text(p: dict[str, Any]) -> str:
+    t = p["target"]
+    lines = [
+        (
+            f"target   {t['params'] / 1e9:.2f}B params ({t['params_source']}), hidden {t['hidden']}, "
+            f"{t['layers']} layers, {t['dtype']}"
+        ),
+        f"gpus     {p['gpu_count']} x {p['gpu']} ({p['gpu_memory_gib']} GiB each)"
+        + (f" per node, {p['nodes']} nodes: {p['world_size']} trainer ranks" if p["nodes"] > 1 else ""),
+        (
+            f"layout   target.source vllm: GPUs {p['vllm']['gpus']} serve the target (TP "
+            f"{p['vllm']['tensor_parallel_size']}, DP {p['vllm']['data_parallel_size']}, "
+            f"~{p['vllm']['per_gpu_memory_gib']} GiB each), GPUs {p['vllm']['trainer_gpus']} train "
+            f"(data-parallel {p['data_parallel']}, train.shard {p['shard']})"
+            if p.get("vllm")
+            else f"layout   {p['gpus_per_copy']} GPU(s) per target copy, data-parallel {p['data_parallel']}, "
+            f"train.shard {p['shard']}"
+            if p["gpus_per_copy"] is not None
+            else "layout   NONE FITS (tried " + ", ".join(map(_tried_text, p["tried"])) + ")"
+        ),
+        (
+            f"memory   ~{p['per_gpu_memory_gib']} GiB per {'trainer ' if p.get('vllm') else ''}GPU: "
+            + ", ".join(f"{k} {v}" for k, v in p["per_gpu_breakdown_gib"].items())
+            if p["per_gpu_memory_gib"] is not None
+            else "memory   per GPU of each split tried: see layout"
+        ),
+        f"why      {p['reason']}",
+    ]
+    if p["apply"]:
+        lines.append("apply    " + ", ".join(f"{k} {v}" for k, v in flat_keys(p["apply"]).items()))
+    o = p["offline_vs_online"]
+    lines.append(f"offline  {o['offline_storage_tb']} TB of hidden states ({o['formula']})")
+    lines.append(f"         {o['online_note']}")
+    lines.append(
+        f"per hardware ({p['gpu_count'] * p['nodes']} GPUs; assumptions: mfu {p['assumptions']['mfu']}, "
+        f"drafter {p['assumptions']['drafter_compute_share']:.0%} of the target forward):"
+    )
+    for h in o["per_hardware"]:
+        lines.append(
+            f"  {h['gpu']:18} {h['tokens_per_s']:>9} tok/s  stream {h['stream_bandwidth_gb_s']:>7} GB/s "
+            f"over {h['link']:24} ~{h['wall_hours']} h"
+        )
+    return "\n".join(lines)
