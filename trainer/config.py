@@ -386,16 +386,22 @@ def config_from_dict(raw: dict[str, Any], base: Path, source: str = "config") ->
     return cfg.resolve_paths(base)
 
 
+def config_from_text(text: str, base: Path, source: str, overrides: list[str] | None = None) -> RunConfig:
+    """A run config from YAML text (a file's, or stdin's: `dflash plan --config -`); `source` names it
+    in messages and relative paths resolve against `base`."""
+    try:
+        raw = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source}: not valid YAML: {exc}") from None
+    raw = apply_overrides(raw, overrides or [])
+    return config_from_dict(raw, base, source)
+
+
 def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"run config {path} does not exist (pass --config FILE)")
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
-    raw = apply_overrides(raw, overrides or [])
-    return config_from_dict(raw, path.resolve().parent, str(path))
+    return config_from_text(path.read_text(), path.resolve().parent, str(path), overrides)
 
 
 def dump_config(cfg: RunConfig, path: Path) -> None:

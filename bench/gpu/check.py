@@ -111,7 +111,8 @@ def environment(cuda: bool) -> dict:
 
 def datasheet_tflops(device_name: str | None) -> float | None:
     """Dense bf16 TFLOP/s of this GPU from `dflash plan`'s catalog (None off the catalog, or on a CPU)."""
-    from trainer.layout.plan import PlanError, resolve_gpu
+    from trainer.layout.hardware import resolve_gpu
+    from trainer.layout.recipe import PlanError
 
     if not device_name:
         return None

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from trainer.layout.gpus import build_facts
 
@@ -50,7 +51,7 @@ def test_qwen_27b_on_8_a100_40gb_needs_four_gpus_per_copy_at_default_anchors():
 
 
 def test_no_layout_fits_names_the_parts_and_the_anchors_that_would():
-    p = plan("--gpu", "A100-40GB", "--gpu-count", 8, "--anchors", 1024, rc=1)
+    p = plan("--gpu", "A100-40GB", "--gpu-count", 8, "--anchors", 1024, rc=2)
     assert p["gpus_per_copy"] is None and not p["fits"]
     assert "logits" in p["reason"] and "--anchors" in p["reason"]
     fit = {f["gpus_per_copy"]: f["anchors"] for f in p["fits_with_anchors"]}
@@ -103,7 +104,7 @@ def test_from_recon_facts_and_inventory_override(tmp_path):
     (tmp_path / "recon.json").write_text(json.dumps(facts))
     p = plan("--facts", tmp_path / "recon.json", "--anchors", 32)
     assert (p["gpu"], p["gpu_count"], p["gpus_per_copy"]) == ("A100-40GB", 8, 2)
-    p = plan("--facts", tmp_path / "recon.json", "--gpus-per-copy", 2)
+    p = plan("--facts", tmp_path / "recon.json", "--gpus-per-copy", 2, rc=2)  # forced, over the budget
     assert (p["gpus_per_copy"], p["data_parallel"]) == (2, 4) and "set by hand" in p["reason"]
     assert not p["fits"] and "DOES NOT FIT" in p["reason"]
 
@@ -207,7 +208,7 @@ def test_bad_input_is_named():
     assert r.returncode == 2 and "does not divide" in r.stderr
 
 
-def test_too_big_for_the_node_exits_1(tmp_path):
+def test_too_big_for_the_node_is_refused_with_the_reason(tmp_path):
     cfg = json.loads(QWEN.read_text())
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     (tmp_path / "model.safetensors.index.json").write_text(
@@ -231,8 +232,9 @@ def test_too_big_for_the_node_exits_1(tmp_path):
         text=True,
         check=False,
     )
-    assert r.returncode == 1
-    assert json.loads(r.stdout)["gpus_per_copy"] is None
+    assert r.returncode == 2 and "dflash plan: no layout fits: even 8 GPUs per copy" in r.stderr, r.stderr
+    p = json.loads(r.stdout)
+    assert p["gpus_per_copy"] is None and p["apply"] == {}
 
 
 SEEDS_RECIPE = ("--gpu", "A100-40GB", "--gpu-count", 8, "--draft-layers", 5, "--block-size", 16,
@@ -244,7 +246,7 @@ def test_the_seeds_recipe_on_8_a100_40gb_fits_with_vllm_serving_the_target():
     anchors, even with every memory saving; with the target in a vLLM server (TP 2, 3 replicas on GPUs 2-7:
     25.7 GiB of weights each) two trainer ranks on GPUs 0-1 keep over 10 % of their memory free."""
     savings = ("--loss-chunk-rows", 1024, "--activation-checkpointing")
-    hooked = plan(*SEEDS_RECIPE, *savings, "--source", "hooked", rc=1)
+    hooked = plan(*SEEDS_RECIPE, *savings, "--source", "hooked", rc=2)
     assert hooked["source"] == "hooked" and not hooked["fits"]
     p = plan(*SEEDS_RECIPE, *savings)
     assert p["source"] == "vllm" and p["fits"] and "does not fit" in p["reason"]
@@ -265,7 +267,7 @@ def test_the_seeds_recipe_on_8_a100_40gb_fits_with_vllm_serving_the_target():
 def test_auto_keeps_the_target_in_process_where_it_fits_and_vllm_needs_two_gpus():
     p = plan("--gpu", "B200", "--gpu-count", 8)
     assert p["source"] == "hooked" and p["vllm"] is None and p["gpus_per_copy"] == 1
-    one = plan("--gpu", "A100-40GB", "--gpu-count", 1, "--source", "vllm", rc=1)
+    one = plan("--gpu", "A100-40GB", "--gpu-count", 1, "--source", "vllm", rc=2)
     assert not one["fits"] and "at least 2 GPUs" in one["reason"]
 
 
@@ -305,6 +307,172 @@ def test_a_vllm_split_that_does_not_fit_is_reported_in_words():
         text=True,
         check=False,
     )
-    assert r.returncode == 1, r.stderr
+    assert r.returncode == 2 and "dflash plan: no layout fits: no split fits" in r.stderr, r.stderr
     assert "NONE FITS (tried vLLM TP 1 on 1 GPUs" in r.stdout and "shard optimizer" in r.stdout
     assert "None GiB" not in r.stdout and "server budget (85% = 34.0 GiB per GPU)" in r.stdout
+
+
+# --- `dflash plan --config RUN.yaml`: the run config is the one home of the recipe
+
+SEEDS_RUN = FIX / "runs" / "seeds-qwen36-27b.yaml"
+
+
+def run_plan(*args, stdin=None):
+    return subprocess.run(
+        [sys.executable, "-m", "trainer.cli", "plan", *map(str, args)],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+
+
+def plan_in_process(*args) -> dict:
+    from trainer.cli import build_parser
+    from trainer.layout.plan import make_plan
+
+    return make_plan(build_parser().parse_args(["plan", *map(str, args)]))
+
+
+def write_config(tmp_path, **sections) -> Path:
+    """The seeds' run config with `sections` merged over it (target.path made absolute)."""
+    raw = yaml.safe_load(SEEDS_RUN.read_text())
+    raw["target"]["path"] = str(QWEN.parent)
+    for name, keys in sections.items():
+        raw[name] = {**raw.get(name, {}), **keys}
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def doc_lines(page: str) -> set[str]:
+    return {line.rstrip() for line in (FIX.parents[1] / "docs" / page).read_text().splitlines()}
+
+
+def test_plan_config_on_the_seeds_recipe_prints_the_layout_the_docs_print():
+    """The seeds' run config on 8 x A100-40GB: TP 2 x DP 3 on GPUs 2-7, two trainer ranks at ~28.5 GiB with
+    train.shard full, the same as the recipe's flags say; docs/hardware.md prints these very lines."""
+    r = run_plan("--config", SEEDS_RUN, "--gpu", "A100-40GB", "--gpu-count", 8)
+    assert r.returncode == 0, r.stderr
+    lines = {line.split()[0]: line for line in r.stdout.splitlines() if line[:1].strip()}
+    assert (
+        "TP 2, DP 3, ~30.1 GiB each), GPUs [0, 1] train (data-parallel 2, train.shard full)"
+        in lines["layout"]
+    )
+    assert lines["memory"].startswith("memory   ~28.5 GiB per trainer GPU")
+    documented = doc_lines("hardware.md")
+    for key in ("layout", "memory", "why", "apply"):
+        assert lines[key] in documented, f"docs/hardware.md does not print: {lines[key]}"
+    by_config = plan_in_process("--config", SEEDS_RUN, "--gpu", "A100-40GB", "--gpu-count", 8)
+    by_flags = plan_in_process(
+        "--target-config", QWEN, *SEEDS_RECIPE, "--loss-chunk-rows", 1024, "--activation-checkpointing"
+    )
+    same = ("source", "vllm", "gpus_per_copy", "data_parallel", "shard", "per_gpu_breakdown_gib", "apply")
+    assert {k: by_config[k] for k in same} == {k: by_flags[k] for k in same}
+    assert by_config["apply"] == {
+        "target": {
+            "source": "vllm",
+            "gpus_per_copy": 1,
+            "vllm": {"tensor_parallel_size": 2, "data_parallel_size": 3, "gpus": [2, 3, 4, 5, 6, 7]},
+        },
+        "train": {"shard": "full", "device": "cuda"},
+    }
+
+
+# the seeds' run config in flags (tests/fixtures/runs/seeds-qwen36-27b.yaml)
+SEEDS_FLAGS = {"draft-layers": 5, "aux-layers": 5, "block-size": 16, "anchors": 512, "tokens-per-batch": 4096,
+               "loss-chunk-rows": 1024, "activation-checkpointing": True}  # fmt: skip
+# (run-config section, key, value) -> the flag that says the same
+KNOBS = [
+    ("drafter", "num_layers", 2, {"draft-layers": 2}),
+    ("drafter", "aux_layer_ids", [1, 31, 61], {"aux-layers": 3}),
+    ("drafter", "block_size", 8, {"block-size": 8}),
+    ("drafter", "draft_vocab_size", 32768, {"draft-vocab-size": 32768}),
+    ("train", "max_anchors", 256, {"anchors": 256}),
+    ("train", "max_tokens_per_batch", 8192, {"tokens-per-batch": 8192}),
+    ("train", "loss_chunk_rows", 0, {"loss-chunk-rows": 0}),
+    ("train", "activation_checkpointing", False, {"activation-checkpointing": False}),
+    ("train", "shard", "optimizer", {"shard": "optimizer"}),
+    ("train", "optimizer", "muon", {"optimizer": "muon"}),
+    ("target", "source", "vllm", {"source": "vllm"}),
+    ("target", "dtype", "float32", {"dtype": "float32"}),
+    ("target", "gpus_per_copy", 4, {"gpus-per-copy": 4}),
+]
+
+
+def as_flags(knobs: dict) -> list:
+    return [
+        a for k, v in knobs.items() if v is not False for a in ([f"--{k}"] if v is True else [f"--{k}", v])
+    ]
+
+
+@pytest.mark.parametrize("section, key, value, flag", KNOBS, ids=[f"{s}.{k}" for s, k, *_ in KNOBS])
+def test_plan_config_reads_every_knob_as_its_flag_would(tmp_path, section, key, value, flag):
+    gpus = ("--gpu", "H100-80GB", "--gpu-count", 8)
+    by_config = plan_in_process("--config", write_config(tmp_path, **{section: {key: value}}), *gpus)
+    by_flags = plan_in_process("--target-config", QWEN, *gpus, *as_flags({**SEEDS_FLAGS, **flag}))
+    same = ("source", "gpus_per_copy", "data_parallel", "shard", "per_gpu_breakdown_gib", "apply", "drafter")
+    assert {k: by_config[k] for k in same} == {k: by_flags[k] for k in same}
+    seeds = plan_in_process("--config", SEEDS_RUN, *gpus)
+    assert {k: by_config[k] for k in same} != {k: seeds[k] for k in same}, "the knob changed nothing"
+
+
+def test_plan_config_and_recipe_flags_do_not_mix_and_bad_configs_are_named(tmp_path):
+    r = run_plan(
+        "--config", SEEDS_RUN, "--gpu", "A100-40GB", "--gpu-count", 8, "--anchors", 64, "--shard", "full"
+    )
+    assert r.returncode == 2 and r.stdout == ""
+    assert "--anchors, --shard with --config" in r.stderr and "train.max_anchors, train.shard" in r.stderr
+    elsewhere = write_config(tmp_path, target={"path": "/opt/dflash/target"})
+    r = run_plan("--config", elsewhere, "--gpu", "A100-40GB", "--gpu-count", 8)
+    assert r.returncode == 2 and "not readable at target.path /opt/dflash/target" in r.stderr, r.stderr
+    assert "--target-config" in r.stderr and "trainer_service_target_config" in r.stderr
+    r = run_plan("--config", elsewhere, "--target-config", QWEN, "--gpu", "A100-40GB", "--gpu-count", 8)
+    assert r.returncode == 0, r.stderr
+    cpu = write_config(tmp_path, train={"device": "cpu"})
+    r = run_plan("--config", cpu, "--gpu", "A100-40GB", "--gpu-count", 8)
+    assert r.returncode == 2 and "train.device cpu" in r.stderr, r.stderr
+    (tmp_path / "bad.yaml").write_text("target: {path: x}\ntrain: {shard: zero3}\n")
+    r = run_plan("--config", tmp_path / "bad.yaml", "--gpu", "A100-40GB", "--gpu-count", 8)
+    assert r.returncode == 2 and "train.shard" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    r = run_plan("--gpu", "A100-40GB", "--gpu-count", 8)
+    assert r.returncode == 2 and "pass --config RUN.yaml" in r.stderr
+
+
+def test_plan_config_reads_stdin():
+    """`--config -`: the trainer_service role pipes the run config it renders, no file on the controller."""
+    text = SEEDS_RUN.read_text().replace("../targets/qwen3.6-27b", str(QWEN.parent))
+    r = run_plan("--config", "-", "--gpu", "A100-40GB", "--gpu-count", 8, "--json", stdin=text)
+    assert r.returncode == 0, r.stderr
+    p = json.loads(r.stdout)
+    assert p["config"] == "-" and p["apply"]["train"] == {"shard": "full", "device": "cuda"}
+
+
+def test_a_32b_target_gets_the_shard_level_it_was_planned_with_or_is_refused(tmp_path):
+    """The 32B case of issue 31: on 8 x A100-40GB the plan lays a Qwen3-32B-shaped target out 4 per copy
+    with FSDP2, while a run config without train.shard runs ZeRO-1 (37.1 GiB on a 36.8 GiB budget). Now the
+    level is applied; a config that pins ZeRO-1 gets a layout that holds it, and one that pins 4 per copy
+    as well is refused, exit 2, with the reason."""
+    conf = {"model_type": "qwen3", "hidden_size": 5120, "num_hidden_layers": 64, "intermediate_size": 25600,
+            "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+            "torch_dtype": "bfloat16"}  # fmt: skip
+    target = tmp_path / "qwen3-32b"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps(conf))
+    gpus = ("--gpu", "A100-40GB", "--gpu-count", 8)
+    # the role's old call: one draft layer, 8192 tokens, no loss chunks or activation checkpointing
+    recipe = {"drafter": {"num_layers": 1}, "target": {"path": str(target)}}
+    plain = {"loss_chunk_rows": 0, "activation_checkpointing": False, "max_tokens_per_batch": 8192}
+    unpinned = write_config(tmp_path, **recipe, train=plain)
+    p = plan_in_process("--config", unpinned, *gpus)
+    assert (p["gpus_per_copy"], p["data_parallel"], p["shard"]) == (4, 2, "full")
+    assert p["apply"]["train"]["shard"] == "full" and p["apply"]["target"]["gpus_per_copy"] == 4
+    pinned = write_config(tmp_path, **recipe, train={**plain, "shard": "optimizer"})
+    p = plan_in_process("--config", pinned, *gpus)
+    assert p["fits"] and p["shard"] == "optimizer" and p["gpus_per_copy"] == 8
+    recipe["target"]["gpus_per_copy"] = 4
+    both = write_config(tmp_path, **recipe, train={**plain, "shard": "optimizer"})
+    r = run_plan("--config", both, *gpus, "--json")
+    assert r.returncode == 2, r.stderr
+    assert "no layout fits" in r.stderr and "train.shard optimizer" in r.stderr and "DOES NOT FIT" in r.stderr
+    assert json.loads(r.stdout)["apply"] == {}

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from trainer.config import load_config
-from trainer.layout.plan import Recipe, per_gpu_bytes, read_target
+from trainer.layout.recipe import Recipe, per_gpu_bytes, read_target
 from trainer.layout.sizing import Shapes, per_device_bytes
 from trainer.preflight.machine import estimate_memory
 from trainer.target import TargetInfo
