@@ -18,7 +18,7 @@ ROLE_NAMES = sorted(p.name for p in ROLES.iterdir() if (p / "tasks").is_dir())
 # Roles that compare the exit codes of the trainer or of `dflash` verbs.
 EXIT_CODE_ROLES = ("trainer_service", "salvage", "data_sync")
 # Roles whose decisions depend on the host's hardware (they read ansible_local.dflash).
-FACTS_ROLES = ("nvidia_driver", "cuda_toolkit", "flash_attn", "trainer_service")
+FACTS_ROLES = ("nvidia_driver", "cuda_toolkit", "trainer_service")
 
 
 def load(path: Path):
