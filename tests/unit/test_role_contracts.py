@@ -47,7 +47,7 @@ def test_role_exit_codes_are_the_trainers(role):
 DFLASH_RESULTS = {
     "salvage": r"_salvage_\w+",
     "data_sync": r"data_sync_\w+",
-    "trainer_service": r"trainer_service_(?:preflight|status)",
+    "trainer_service": r"trainer_service_(?:preflight|status|plan)",
 }
 
 
@@ -267,27 +267,58 @@ def test_a_multi_node_group_runs_torchrun_with_a_c10d_rendezvous_on_its_first_no
 
 
 def test_a_node_the_plan_splits_gets_a_vllm_source_and_trainers_on_the_other_gpus():
-    """The seeds' recipe on 8 x A100-40GB: `dflash plan` (its real JSON) puts the target in a vLLM server
-    on GPUs 2-7; the rendered run config's target section says so and torchrun starts 2 trainer ranks."""
+    """The seeds' recipe on 8 x A100-40GB: the role hands `dflash plan` the run config on stdin (no knob of
+    its own); the plan (its real JSON) puts the target in a vLLM server on GPUs 2-7, and the run config the
+    role renders carries what the plan decided (its `apply`): the split, train.shard and train.device cuda."""
     import json
     import subprocess
     import sys
 
+    seeds = load(REPO / "tests" / "fixtures" / "runs" / "seeds-qwen36-27b.yaml")
+    run_config = {k: v for k, v in seeds.items() if k != "out_dir"}
+    values = {"dflash_root": "/opt/dflash", "dflash_repo": "/repo", "trainer_service_run_config": run_config,
+              "trainer_service_target_config": "/models/Qwen3.6-27B/config.json"}  # fmt: skip
+    args = render_role_var("trainer_service", "trainer_service_plan_args", values)
+    assert args == ["plan", "--json", "--config", "-", "--nodes", "1",
+                    "--facts=/repo/reports/node-0/recon.json",
+                    "--target-config", "/models/Qwen3.6-27B/config.json"]  # fmt: skip
+    plan_config = render_role_var("trainer_service", "trainer_service_plan_config", values)
+    assert plan_config == {**run_config, "out_dir": "/opt/dflash/runs/main/out"}
+    target = REPO / "tests" / "fixtures" / "targets" / "qwen3.6-27b"
     plan = subprocess.run(
-        [sys.executable, "-m", "trainer.cli", "plan", "--json", "--target-config",
-         REPO / "tests" / "fixtures" / "targets" / "qwen3.6-27b", "--gpu", "A100-40GB", "--gpu-count", "8",
-         "--draft-layers", "5", "--block-size", "16", "--anchors", "512", "--tokens-per-batch", "4096",
-         "--loss-chunk-rows", "1024", "--activation-checkpointing"],
-        capture_output=True, text=True, check=True,
+        [sys.executable, "-m", "trainer.cli", *args[:6], "--target-config", str(target), "--gpu", "A100-40GB",
+         "--gpu-count", "8"],
+        input=yaml.safe_dump(plan_config), capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip
-    values = {"dflash_root": "/opt/dflash", "trainer_service_layout": json.loads(plan),
-              "trainer_service_run_config": {"train": {"stop_timeout_s": 900}}}  # fmt: skip
-    keys = render_role_var("trainer_service", "trainer_service_target_keys", values)
-    assert keys == {
+    values["trainer_service_layout"] = json.loads(plan)
+    rendered = render_role_var("trainer_service", "trainer_service_rendered_config", values)
+    assert rendered["target"] == {
+        **run_config["target"],
         "gpus_per_copy": 1,
         "source": "vllm",
         "vllm": {"tensor_parallel_size": 2, "data_parallel_size": 3, "gpus": [2, 3, 4, 5, 6, 7]},
     }
+    assert rendered["train"] == {**run_config["train"], "shard": "full", "device": "cuda"}
+    assert rendered["drafter"] == run_config["drafter"] and rendered["out_dir"] == "/opt/dflash/runs/main/out"
     assert "--nproc-per-node=2" in render_role_var("trainer_service", "trainer_service_exec", values)
-    hooked = {**values, "trainer_service_layout": {"gpus_per_copy": 4, "data_parallel": 2}}
-    assert render_role_var("trainer_service", "trainer_service_target_keys", hooked) == {"gpus_per_copy": 4}
+    cpu = {**values, "trainer_service_layout": {"gpus_per_copy": 1, "data_parallel": 1, "apply": {}}}
+    assert render_role_var("trainer_service", "trainer_service_rendered_config", cpu) == plan_config
+    pinned = {**values, "trainer_service_gpus_per_copy": 4}
+    assert render_role_var("trainer_service", "trainer_service_plan_config", pinned)["target"] == {
+        **run_config["target"],
+        "gpus_per_copy": 4,
+    }
+
+
+def test_the_role_hands_the_plan_the_run_config_and_no_knob_of_its_own():
+    """One home: the plan task passes `--config -` with the run config on stdin; no recipe flag appears in
+    the role, and a GPU host without a target config to plan with is refused by name before any unit."""
+    tasks = (ROLES / "trainer_service" / "tasks" / "main.yml").read_text()
+    role = tasks + (ROLES / "trainer_service" / "vars" / "main.yml").read_text()
+    assert "trainer_service_plan_knobs" not in role and "trainer_service_target_keys" not in role
+    from trainer.layout.inputs import CONFIG_KEYS, flag
+
+    assert [f for f in map(flag, CONFIG_KEYS) if f"'{f}'" in role] == []
+    assert 'stdin: "{{ trainer_service_plan_config | to_nice_yaml' in tasks
+    refuse = tasks.index("set trainer_service_target_config to a copy of it")
+    assert refuse < tasks.index("Plan the layout") < tasks.index("Render the run config")
