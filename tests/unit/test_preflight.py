@@ -573,8 +573,12 @@ def test_out_dir_over_a_file_refused(make_config, tmp_path):
     assert_problem(report, "machine.out_dir_not_writable", "not a writable folder", "set out_dir")
 
 
-def test_cuda_requested_is_checked_on_the_gpu_or_warned_without_one(make_config):
+def test_cuda_requested_is_measured_on_the_gpu_and_refused_without_one(make_config, capsys):
+    """Without CUDA (this machine) `train.device: cuda` is refused: exit 2, the cause named (it was
+    a warning, and `dflash train` then stopped in setup_dist with a traceback)."""
     import torch
+
+    from trainer.cli import main
 
     report = preflight(make_config, train={"device": "cuda"})
     if torch.cuda.is_available():  # a GPU machine: the CUDA branch measures the real device
@@ -583,10 +587,12 @@ def test_cuda_requested_is_checked_on_the_gpu_or_warned_without_one(make_config)
         assert memory["device"].startswith("cuda:") and memory["available_gib"] > 0
         assert memory["need_gib"] == pytest.approx(sum(memory["parts_gib"].values()))
         return
-    assert_problem(
-        report, "machine.cuda_unavailable", "no usable CUDA device", "training machine", warning=True
-    )
+    assert_problem(report, "machine.cuda_unavailable", "torch sees no CUDA", "CPU build", "train.device")
     assert "skipped" in report.machine["memory"]
+    assert main(["preflight", "--config", str(make_config(train={"device": "cuda"}))]) == 2
+    assert "ERROR [machine.cuda_unavailable]" in capsys.readouterr().out
+    assert main(["train", "--config", str(make_config(train={"device": "cuda"}))]) == 2
+    assert "torch sees no CUDA" in capsys.readouterr().err, "refused with its cause, no traceback"
 
 
 def test_memory_within_10_percent_of_the_device_is_a_warning(make_config, monkeypatch):
@@ -689,3 +695,82 @@ def test_a_draft_vocabulary_is_checked_against_the_vocabulary_and_the_datas_toke
     assert_problem(low, "data.draft_vocab_coverage_low", "drafter.draft_vocab_size 8 keeps", warning=True)
     wide = preflight(make_config, drafter={"draft_vocab_size": 500})
     assert "data.draft_vocab_coverage_low" not in wide.codes() and wide.data["draft_vocab_coverage"] >= 0.95
+
+
+def test_the_issues_case_a_1024_position_target_and_1024_token_batches_is_refused(
+    tiny_target, make_config, tmp_path
+):
+    """A tiny Qwen3 with max_position_embeddings 1024, train.max_tokens_per_batch 1024: the server
+    would be asked for max_model_len 1025 and refuse to load; preflight refuses first, naming the fix."""
+    target = fake_target(tiny_target, tmp_path / "short", max_position_embeddings=1024)
+    report = preflight(make_config, target={"path": str(target), "source": "vllm"})
+    assert_problem(
+        report,
+        "config.vllm_context_too_long",
+        "train.max_tokens_per_batch 1024 needs max_model_len 1025",
+        "the target allows 1024 (max_position_embeddings 1024)",
+        "lower train.max_tokens_per_batch to <= 1023",
+    )
+    fits = preflight(
+        make_config, target={"path": str(target), "source": "vllm"}, train={"max_tokens_per_batch": 1023}
+    )
+    assert fits.ok, fits.render_text()
+    assert fits.target["vllm_server"]["max_model_len"] == 1024 and "max_model_len 1024" in fits.render_text()
+    short_docs = preflight(
+        make_config, target={"path": str(target), "source": "vllm"}, data={"max_length": 512}
+    )
+    assert short_docs.ok and short_docs.target["vllm_server"]["max_model_len"] == 513
+    hooked = preflight(make_config, target={"path": str(target)})
+    assert "config.vllm_context_too_long" not in hooked.codes(), "only a server has the limit"
+
+
+def test_what_the_server_is_asked_for_follows_the_targets_limit(tiny_target, make_config, tmp_path):
+    """target.vllm.max_model_len above the limit is capped where the run still fits (a warning), one
+    below the run's need is refused; data.max_length binding names data.max_length; float16 on a model
+    type vLLM refuses in float16 is refused."""
+    target = fake_target(tiny_target, tmp_path / "short", max_position_embeddings=1024)
+    vllm = {"path": str(target), "source": "vllm"}
+    capped = preflight(make_config, target={**vllm, "vllm.max_model_len": 4096}, data={"max_length": 600})
+    assert capped.ok and capped.target["vllm_server"]["max_model_len"] == 1024
+    assert_problem(capped, "config.vllm_context_capped", "4096", "started with 1024", warning=True)
+    short = preflight(make_config, target={**vllm, "vllm.max_model_len": 256}, data={"max_length": 600})
+    assert_problem(short, "config.vllm_context_too_short", "256", ">= 601")
+    long_data = preflight(
+        make_config, target=vllm, data={"max_length": 2000}, train={"max_tokens_per_batch": 4096}
+    )
+    assert_problem(long_data, "config.vllm_context_too_long", "data.max_length 2000", "<= 1023")
+    gemma = fake_target(tiny_target, tmp_path / "gemma", model_type="gemma3_text")
+    fp16 = preflight(make_config, target={"path": str(gemma), "source": "vllm", "dtype": "float16"})
+    assert_problem(fp16, "config.vllm_dtype", "gemma3_text", "bfloat16")
+
+
+MPE = "max_position_embeddings"
+LINEAR2 = {"rope_type": "linear", "factor": 2.0}
+
+
+@pytest.mark.parametrize(
+    ("conf", "tokens", "why"),
+    [
+        ({MPE: 1024}, 1024, "max_position_embeddings 1024"),
+        ({MPE: 4096, "seq_length": 2048}, 2048, "seq_length 2048"),
+        ({MPE: 1024, "rope_scaling": {"type": "linear", "factor": 4.0}}, 4096, "x rope factor 4"),
+        ({MPE: 1024, "rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, 2048, "dynamic"),
+        ({MPE: 32768, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, 32768, "embeddings 32768"),
+        (
+            {MPE: 1024, "rope_parameters": {"full_attention": LINEAR2, "sliding_attention": {}}},
+            2048,
+            "linear",
+        ),
+        ({MPE: 1024, "model_max_length": 8192}, 8192, "model_max_length 8192"),
+        ({}, None, "names no context length"),
+    ],
+)
+def test_the_context_limit_is_derived_as_vllm_derives_it(conf, tokens, why):
+    from trainer.sources.vllm_target import context_limit
+
+    got = context_limit({"model_type": "qwen3", **conf}, environ={})
+    assert got.tokens == tokens and why in got.why, got
+    assert (
+        context_limit({"max_position_embeddings": 8}, environ={"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"}).tokens
+        is None
+    )

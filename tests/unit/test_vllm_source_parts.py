@@ -108,3 +108,45 @@ def test_a_server_left_behind_by_a_killed_trainer_is_stopped_and_a_reused_pid_ne
     finally:
         for p in [server, *server.children(recursive=True)] if server.is_running() else []:
             p.kill()
+
+
+@pytest.mark.parametrize(
+    ("var", "value", "kept"),
+    [
+        ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True", None),
+        ("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64, expandable_segments:True", "max_split_size_mb:64"),
+        ("PYTORCH_ALLOC_CONF", "expandable_segments:True,roundup_power2_divisions:[256:1,512:2]",
+         "roundup_power2_divisions:[256:1,512:2]"),
+        ("PYTORCH_CUDA_ALLOC_CONF", "garbage_collection_threshold:0.6", "garbage_collection_threshold:0.6"),
+    ],
+)  # fmt: skip
+def test_the_servers_environment_drops_expandable_segments_and_keeps_the_rest(var, value, kept):
+    """vLLM 0.32 refuses any KV connector with expandable_segments:True (the unit sets it for the
+    trainer): the server's environment leaves it out, keeps the variable's other options, says so."""
+    from trainer.sources.vllm_server import server_environment
+
+    base = {"PATH": "/usr/bin", var: value}
+    env, said = server_environment(base, {"CUDA_VISIBLE_DEVICES": "3"})
+    assert env["CUDA_VISIBLE_DEVICES"] == "3" and env["PATH"] == "/usr/bin"
+    assert env.get(var) == kept and base[var] == value, "the trainer's own environment is unchanged"
+    if kept == value:
+        assert said == []
+    else:
+        assert len(said) == 1 and var in said[0] and "expandable_segments:True" in said[0]
+        assert ("kept: " + kept if kept else "unset") in said[0]
+
+
+def test_an_owned_server_starts_without_expandable_segments_and_its_log_says_so(tmp_path, monkeypatch):
+    """The process OwnedServer starts (a stand-in printing its environment) gets the cleaned one."""
+    import sys
+
+    from trainer.sources.vllm_server import OwnedServer
+
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    code = "import os; print('CONF=' + os.environ.get('PYTORCH_CUDA_ALLOC_CONF', 'unset'))"
+    server = OwnedServer([sys.executable, "-c", code], "http://127.0.0.1:9", tmp_path / "s.log")
+    server.proc.wait(30)
+    server.stop()
+    log = (tmp_path / "s.log").read_text()
+    assert "CONF=unset" in log and "without PYTORCH_CUDA_ALLOC_CONF expandable_segments:True" in log
+    assert server.env_notes and "trainer keeps them" in server.env_notes[0]

@@ -98,17 +98,22 @@ def cmd_capture(args) -> int:
 def cmd_serve_target(args) -> int:
     import os
     import shlex
+    import sys
 
-    from trainer.sources.vllm_server import owned_server_command
+    from trainer.sources.vllm_server import owned_server_command, server_environment
 
     cfg = _load(args)
-    cmd, env, storage = owned_server_command(cfg, args.port, host=args.host)
+    cmd, changes, storage = owned_server_command(cfg, args.port, host=args.host)
+    env, notes = server_environment(os.environ, changes)
+    for note in notes:
+        print(f"dflash serve-target: {note}", file=sys.stderr, flush=True)
     if args.print_command:
-        prefix = " ".join(f"{k}={v}" for k, v in env.items())
-        print((prefix + " " if prefix else "") + shlex.join(cmd))
+        unset = [f"-u {k}" for k in os.environ if k not in env]
+        changed = [f"{k}={shlex.quote(v)}" for k, v in env.items() if os.environ.get(k) != v]
+        print(" ".join([*(["env", *unset] if unset else []), *changed, shlex.join(cmd)]))
         return ExitCode.OK
     storage.mkdir(parents=True, exist_ok=True)
-    os.execvpe(cmd[0], cmd, {**os.environ, **env})  # the unit's process becomes the server
+    os.execvpe(cmd[0], cmd, env)  # the unit's process becomes the server
 
 
 def cmd_demo(args) -> int:

@@ -8,11 +8,13 @@ Three gates, each listing every problem it finds (a run is refused on any error;
 - config: the target folder and, for `target.source: vllm`, what starting or using a server needs
   (target.py); the aux layer ids (in speculators' convention, after conversion), the mask token, the
   block size, and a warm-start checkpoint's wiring (fc width, aux ids, hidden size) (drafter.py);
-- machine (machine.py): free disk for the kept checkpoints, and a memory estimate against the device.
+- machine (machine.py): the device (`train.device: cuda` without CUDA, or `auto` on a machine whose
+  NVIDIA GPUs torch cannot use, is refused: trainer/device.py), free disk for the kept checkpoints,
+  and a memory estimate against the device.
 
 The findings and their rendering are in report.py. Light side: model folders are read by
 trainer/target.py (config.json as JSON, safetensors files by their headers only); no transformers or
-speculators import. torch is imported only to ask CUDA for its free memory.
+speculators import. torch is imported only to ask CUDA whether it is there and for its free memory.
 `run_preflight` is the entry of `dflash preflight` and of `dflash train`. Docs: docs/preflight.md.
 """
 
@@ -23,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from trainer.preflight.data import data_gate
 from trainer.preflight.drafter import aux_gate, drafter_gate, warm_start_gate
-from trainer.preflight.machine import disk_gate, memory_gate
+from trainer.preflight.machine import device_gate, disk_gate, memory_gate
 from trainer.preflight.report import PreflightReport
 from trainer.preflight.target import source_gate, target_gate
 
@@ -45,6 +47,7 @@ def run_preflight(cfg: RunConfig) -> PreflightReport:
         ("drafter", drafter_gate),
         ("warm start", warm_start_gate),
         ("data", data_gate),
+        ("device", device_gate),
         ("disk", disk_gate),
         ("memory", memory_gate),
     ]

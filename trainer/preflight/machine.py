@@ -1,5 +1,6 @@
-"""The machine gates: free disk for the kept checkpoints, and a memory estimate (trainer/layout/sizing.py)
-against the device the run would use. torch is imported only to ask CUDA for its free memory."""
+"""The machine gates: the device train.device names (trainer/device.py), free disk for the kept
+checkpoints, and a memory estimate (trainer/layout/sizing.py) against the device the run would use.
+torch is imported only to ask CUDA whether it is there and for its free memory."""
 
 from __future__ import annotations
 
@@ -105,6 +106,17 @@ def estimate_memory(
     )
 
 
+def device_gate(cfg: RunConfig, target: TargetInfo | None, report: PreflightReport) -> None:
+    """train.device on this machine (trainer/device.py): `cuda` where torch sees none, and `auto` on a
+    machine whose NVIDIA GPUs torch cannot use, are refused; the choice is reported."""
+    from trainer.device import DeviceRefused, choose_device
+
+    try:
+        report.machine["device"] = choose_device(cfg.train.device).describe()
+    except DeviceRefused as exc:
+        report.error(exc.code, exc.message, exc.fix)
+
+
 def disk_gate(cfg: RunConfig, target: TargetInfo | None, report: PreflightReport) -> None:
     base = nearest_existing(cfg.out_dir)
     if not base.is_dir() or not os.access(base, os.W_OK):
@@ -144,13 +156,8 @@ def memory_gate(cfg: RunConfig, target: TargetInfo | None, report: PreflightRepo
         report.machine["memory"] = {"skipped": "the target's config.json could not be read"}
         return
     device = probe_device_memory(cfg.train.device)
-    if device is None:
+    if device is None:  # device_gate refuses the run (machine.cuda_unavailable)
         report.machine["memory"] = {"skipped": "train.device is cuda but CUDA is not available here"}
-        report.warn(
-            "machine.cuda_unavailable",
-            "train.device is cuda but this machine has no usable CUDA device; memory was not checked",
-            "run preflight on the training machine (it also runs first in `dflash train`)",
-        )
         return
     parts = estimate_memory(cfg, target, device.cuda)
     need = sum(parts.values())

@@ -74,10 +74,18 @@ class PreflightReport:
 def _render_target(t: dict[str, Any]) -> list[str]:
     if not t:
         return []
-    return [
+    lines = [
         f"target  {t['path']}: {t['num_layers']} layers, hidden {t['hidden']}, vocab {t['vocab']}; "
         f"aux ids (speculators convention) {t['aux_ids']}"
     ]
+    s = t.get("vllm_server")
+    if s:
+        limit = f"{s['limit'] if s['limit'] is not None else 'any'} ({s['limit_from']})"
+        lines.append(
+            f"vllm    the server is asked for max_model_len {s['max_model_len']} (the run needs "
+            f"{s['needed']}; the target allows {limit}), layers {s['layer_ids']}, dtype {s['dtype']}"
+        )
+    return lines
 
 
 def _render_data(d: dict[str, Any]) -> list[str]:
@@ -100,7 +108,7 @@ def _render_data(d: dict[str, Any]) -> list[str]:
 
 
 def _render_machine(m: dict[str, Any]) -> list[str]:
-    lines = []
+    lines = [f"device  {m['device']}"] if m.get("device") else []
     disk = m.get("disk")
     if disk:
         lines.append(

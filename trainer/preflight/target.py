@@ -50,11 +50,15 @@ def target_gate(cfg: RunConfig, report: PreflightReport) -> TargetInfo | None:
 
 
 def source_gate(cfg: RunConfig, target: TargetInfo | None, report: PreflightReport) -> None:
-    """`target.source: vllm`: what can be known before a server is started or asked. The server's own
-    identity (model, layers, context) is checked by the source itself on its first answer."""
+    """`target.source: vllm`: what can be known before a server is started or asked, and what the run
+    will ask of the server (trainer/sources/vllm_target.py: context length, layer ids, dtype) against
+    the target's limits. The server's own identity (model, layers, context) is checked by the source
+    itself on its first answer."""
     if cfg.target.source != "vllm":
         return
     v = cfg.target.vllm
+    if target is not None:
+        _server_request_check(cfg, report)
     if cfg.target.gpus_per_copy > 1:
         report.error(
             "config.vllm_gpus_per_copy",
@@ -81,3 +85,16 @@ def source_gate(cfg: RunConfig, target: TargetInfo | None, report: PreflightRepo
             f"{target.heads} attention heads",
             "use a tensor parallel size that divides them (`dflash plan --source vllm` picks one)",
         )
+
+
+def _server_request_check(cfg: RunConfig, report: PreflightReport) -> None:
+    import torch
+
+    from trainer.sources.vllm_target import server_request
+
+    req = server_request(cfg, cpu=not torch.cuda.is_available())
+    report.target["vllm_server"] = req.to_dict()
+    for code, message, fix in req.problems:
+        report.error(code, message, fix)
+    for code, message, fix in req.warnings:
+        report.warn(code, message, fix)

@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from trainer.errors import DflashError, ExitCode
@@ -34,9 +35,58 @@ class VllmServerError(DflashError, RuntimeError):
 
 
 class VllmServerMismatch(VllmServerError):
-    """The server answers but is not this run's (another model, other layers, too short a context)."""
+    """The server answers but is not this run's (another model, other layers, too short a context),
+    or what the run would ask of its own server is more than vLLM loads the target with."""
 
     exit_code = ExitCode.REFUSED  # a restart against the same server cannot help
+
+
+# the allocator settings the server's environment leaves out: vLLM 0.32 refuses any KV connector (the
+# hidden-state connector is one) with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+# (vllm/config/vllm.py _verify_kv_transfer_compat), and torch 2.13 reads PYTORCH_ALLOC_CONF, the newer
+# name, for the same allocator (c10/core/AllocatorConfig.h). The trainer keeps them.
+ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+DROPPED_ALLOC_OPTIONS = ("expandable_segments",)
+
+
+def _alloc_options(value: str) -> list[str]:
+    """`key:value` options of an allocator config, split at the commas outside `[...]` lists."""
+    out, depth, cur = [], 0, ""
+    for ch in value:
+        depth += {"[": 1, "]": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            out.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    return [o for o in [*out, cur.strip()] if o]
+
+
+def server_environment(
+    base: Mapping[str, str], changes: Mapping[str, str] | None = None
+) -> tuple[dict[str, str], list[str]]:
+    """The vLLM server's environment: `base` (the trainer's) with `changes`, less the allocator options
+    vLLM refuses (DROPPED_ALLOC_OPTIONS; the variable's other options kept, the variable unset when
+    none is left). Returns it and one sentence per variable changed, for the log."""
+    env = {**base, **(changes or {})}
+    said = []
+    for var in ALLOC_CONF_VARS:
+        if var not in env:
+            continue
+        options = _alloc_options(env[var])
+        kept = [o for o in options if o.split(":", 1)[0].strip() not in DROPPED_ALLOC_OPTIONS]
+        if kept == options:
+            continue
+        dropped = ",".join(o for o in options if o not in kept)
+        if kept:
+            env[var] = ",".join(kept)
+        else:
+            del env[var]
+        said.append(
+            f"the vLLM server runs without {var} {dropped} ({'kept: ' + env[var] if kept else 'unset'}): "
+            "vLLM refuses its hidden-state connector with expandable segments; the trainer keeps them"
+        )
+    return env, said
 
 
 def server_layer_ids(aux_ids: list[int], num_layers: int) -> list[int]:
@@ -124,11 +174,15 @@ class OwnedServer:
         self.storage_dir, self.owns_storage = storage_dir, owns_storage  # owned: removed by stop()
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log_path, "ab")  # noqa: SIM115 - kept open for the server's lifetime
+        full_env, self.env_notes = server_environment(os.environ, env)
+        for note in self.env_notes:
+            self._log.write(f"dflash: {note}\n".encode())
+        self._log.flush()
         self.proc = subprocess.Popen(
             cmd,
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})},
+            env=full_env,
             start_new_session=True,  # its own process group: stop() reaches the engine workers
         )
 
@@ -202,26 +256,29 @@ def longest_document(cfg) -> int:
 
 
 def owned_server_command(cfg, port: int, host: str = "127.0.0.1") -> tuple[list[str], dict[str, str], Path]:
-    """The `vllm serve` command for a run's own server, its environment and its storage folder."""
+    """The `vllm serve` command for a run's own server, the environment changes it needs (its GPUs) and
+    its storage folder. What it asks of the server (context, layers, dtype) is `server_request`'s, the
+    one preflight checked; a problem there is refused here too (a run started without preflight)."""
     import torch
 
-    from trainer.target import TargetInfo
+    from trainer.sources.vllm_target import server_request
 
     v = cfg.target.vllm
     cpu = not torch.cuda.is_available()
-    info = TargetInfo.from_folder(cfg.target.path)
+    req = server_request(cfg, cpu)
+    if req.problems:
+        raise VllmServerMismatch("; ".join(f"{message}: {fix}" for _, message, fix in req.problems))
     storage = v.storage_dir or default_storage_dir(cfg.out_dir)
-    dtype = cfg.target.dtype if cfg.target.dtype != "auto" else ("float32" if cpu else "bfloat16")
     cmd = serve_command(
         cfg.target.path,
-        server_layer_ids(cfg.drafter.aux_ids, info.num_layers),
+        req.layer_ids,
         storage,
         port=port,
         cpu=cpu,
-        dtype=dtype,
+        dtype=req.dtype,
         tensor_parallel_size=v.tensor_parallel_size,
         data_parallel_size=v.data_parallel_size,
-        max_model_len=v.max_model_len or longest_document(cfg) + 1,
+        max_model_len=req.max_model_len,
         gpu_memory_utilization=v.gpu_memory_utilization,
         host=host,
     )
@@ -287,6 +344,8 @@ def start_owned_server(cfg, log=print) -> OwnedServer:
     server = OwnedServer(
         cmd, f"http://127.0.0.1:{port}", out / "vllm-server.log", env, storage_dir=storage, owns_storage=owns
     )
+    for note in server.env_notes:
+        log(note)
     record = {"pid": server.pid, "started": psutil.Process(server.pid).create_time(), "url": server.url}
     tmp = out / (PID_FILE + ".tmp")
     tmp.write_text(json.dumps(record))

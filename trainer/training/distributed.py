@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.config import RunConfig
+from trainer.device import choose_device
 
 
 @dataclass
@@ -20,6 +21,7 @@ class Dist:
     local_rank: int = 0
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     target_devices: list[torch.device] = field(default_factory=list)
+    device_why: str = "train.device cpu"  # how train.device chose it (trainer/device.py)
 
     @property
     def enabled(self) -> bool:
@@ -36,10 +38,8 @@ def setup_dist(cfg: RunConfig) -> Dist:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
     rank = node_pinned_rank(world, local)  # before RANK is rewritten below
-    want = cfg.train.device
-    use_cuda = torch.cuda.is_available() and want in ("auto", "cuda")
-    if want == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("train.device is cuda but no CUDA device is visible")
+    choice = choose_device(cfg.train.device)  # DeviceRefused (exit 2) where it cannot be honoured
+    use_cuda = choice.type == "cuda"
     if use_cuda:
         k = cfg.target.gpus_per_copy
         first = local * k
@@ -79,7 +79,7 @@ def setup_dist(cfg: RunConfig) -> Dist:
                 backend=backend, store=store, rank=rank, world_size=world, timeout=timeout
             )
     os.environ["RANK"] = str(rank)  # for anything after this that reads it
-    return Dist(rank, world, local, device, devices)
+    return Dist(rank, world, local, device, devices, choice.why)
 
 
 NODE_RANK_ENV = "DFLASH_NODE_RANK"

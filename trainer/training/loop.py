@@ -390,6 +390,7 @@ class Trainer:
             layout={
                 "world_size": d.world_size,
                 "device": str(d.device),
+                "device_chosen_by": d.device_why,
                 "target_devices": [str(x) for x in d.target_devices],
                 "source": cfg.target.source,
                 "source_url": getattr(self.source, "url", None),
@@ -418,7 +419,8 @@ class Trainer:
             pid=os.getpid(),
         )
         self.log(
-            f"run start: steps {self.step + 1}..{total}, world {d.world_size}, device {d.device}, "
+            f"run start: steps {self.step + 1}..{total}, world {d.world_size}, "
+            f"device {d.device} ({d.device_why}), "
             f"{self.n_trainable / 1e6:.2f}M trainable drafter params, aux ids {cfg.drafter.aux_ids}, "
             f"{self.sharding.description}, heads over {self.drafter.draft_vocab_size} tokens "
             f"({self.drafter.draft_vocab_coverage:.1%} of the supervised tokens)"
