@@ -55,7 +55,7 @@ class Runner:
     def run(
         self,
         playbook: str,
-        inventory: Path,
+        inventory: Path | list[Path],
         limit: str | None = None,
         extravars: dict | None = None,
         check: bool = False,
@@ -79,7 +79,7 @@ class Runner:
         r = ansible_runner.run(
             private_data_dir=str(pdir),
             playbook=str(REPO / "playbooks" / playbook) if not Path(playbook).is_absolute() else playbook,
-            inventory=str(inventory),
+            inventory=[str(i) for i in inventory] if isinstance(inventory, list) else str(inventory),
             limit=limit,
             extravars=extravars or {},
             envvars=env,
@@ -175,7 +175,7 @@ def provisioned(bed, provision_vars, tmp_path_factory):
 @pytest.fixture(scope="session")
 def systemd_host(bed, provision_vars, tmp_path_factory):
     """A podman container with systemd as PID 1 next to the sshd hosts, provisioned with python_env."""
-    testbed.build_systemd_image()
+    testbed.build_host_image("systemd")
     host = bed.add_systemd_host("sysd")
     work = tmp_path_factory.mktemp("provision-sysd")
     inv = bed.inventory(work / "inv.yml")
@@ -184,6 +184,14 @@ def systemd_host(bed, provision_vars, tmp_path_factory):
     )
     assert res.ok(), res.stdout[-4000:]
     return host
+
+
+@pytest.fixture(scope="session")
+def bare_host(bed):
+    """A host as bare as a rented GPU node (testbed.add_bare_host: Python and sshd only, sshd as PID 1 on an
+    odd port), next to the sshd hosts; nothing provisioned."""
+    testbed.build_host_image("bare")
+    return bed.add_bare_host("rented")
 
 
 def gateway(host) -> str:

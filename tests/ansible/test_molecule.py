@@ -34,9 +34,15 @@ def recap(section: str) -> list[tuple[str, int, int, int, int]]:
     return [(h, *map(int, rest)) for h, *rest in RECAP_LINE.findall(section)]
 
 
+# Roles proven on the host that shows what they do, instead of in a scenario of their own: the sshd test
+# hosts share this machine's files (rsync is there), so only the bare rented-node host can show it missing.
+PROVEN_ELSEWHERE = {"prerequisites": "tests/ansible/test_rented_node.py"}
+
+
 def test_every_role_with_a_scenario_is_found():
     roles = {p.name for p in (REPO / "roles").iterdir() if (p / "tasks").is_dir()}
-    assert len(roles) >= 9 and set(SCENARIOS) == roles, roles ^ set(SCENARIOS)
+    assert all((REPO / test).is_file() for test in PROVEN_ELSEWHERE.values())
+    assert len(roles) >= 9 and set(SCENARIOS) | set(PROVEN_ELSEWHERE) == roles, roles ^ set(SCENARIOS)
 
 
 @pytest.mark.parametrize("role", SCENARIOS)

@@ -179,7 +179,22 @@ class Testbed:
         self, name: str, port: int | None = None, image: str = "dflash-systemd-host"
     ) -> Host:
         """A podman container with systemd as PID 1 (its own filesystem, this machine's network), reached
-        by SSH on 127.0.0.1:`port`. The image comes from tests/ansible/build-systemd-image."""
+        by SSH on 127.0.0.1:`port`. The image comes from `tests/ansible/build-host-image systemd`."""
+        return self._add_container_host(
+            name, port, image, ["--systemd=always", "--cap-add=SYS_ADMIN"], ["/sbin/init"]
+        )
+
+    def add_bare_host(self, name: str, port: int | None = None, image: str = "dflash-bare-host") -> Host:
+        """A rented GPU node as providers hand them out, without the GPU: a minimal Debian container
+        (`tests/ansible/build-host-image bare`: Python and sshd only, no rsync, pip, sudo or systemd) with
+        sshd as PID 1 on an odd port, root login by key. Its own filesystem, this machine's network."""
+        return self._add_container_host(
+            name, port, image, [], ["sh", "-c", "mkdir -p /run/sshd && exec /usr/sbin/sshd -D -e"]
+        )
+
+    def _add_container_host(
+        self, name: str, port: int | None, image: str, run_args: list[str], command: list[str]
+    ) -> Host:
         hdir = self.workdir / name
         hdir.mkdir(parents=True)
         # the container shares this machine's network: take a port nobody listens on (an odd one)
@@ -199,14 +214,13 @@ class Testbed:
             container,
             "--hostname",
             name,
-            "--systemd=always",
-            "--cap-add=SYS_ADMIN",
+            *run_args,
             "-v",
             f"{hdir}:/etc/dflash-test:ro",
             "-v",
             f"{hdir / 'sshd.conf'}:/etc/ssh/sshd_config.d/dflash-test.conf:ro",
             image,
-            "/sbin/init",
+            *command,
         )
         self.containers.append(container)
         host = Host(name, "", "127.0.0.1", port, Path("/opt/dflash"), hdir, container=container)
@@ -315,6 +329,9 @@ class Testbed:
                     # and reports/<host>/recon.json beside this inventory, not in the repo's reports/
                     "gpu_facts_report_dir": str(Path(path).resolve().parent / "reports"),
                     "dflash_repo": str(REPO),
+                    # these inventories set every variable a test needs themselves (no inventory/group_vars/):
+                    # the marker the prerequisites role looks for (a user's gets it from group_vars/all)
+                    "dflash_group_vars": "loaded",
                     **(group_vars or {}),
                 },
                 "children": {group: {"hosts": hosts}},
@@ -336,8 +353,9 @@ def _podman(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(["podman", *args], capture_output=True, text=True, check=check, env=env)
 
 
-def build_systemd_image() -> None:
-    subprocess.run([str(Path(__file__).resolve().parent / "build-systemd-image")], check=True)
+def build_host_image(kind: str) -> None:
+    """The local podman image of a test host: `systemd` or `bare` (tests/ansible/build-host-image)."""
+    subprocess.run([str(Path(__file__).resolve().parent / "build-host-image"), kind], check=True)
 
 
 def _is_our_sshd(pid: int, hdir: Path) -> bool:

@@ -1,0 +1,173 @@
+"""The journey a user takes with a rented node, on a host as bare as the containers providers hand out
+(testbed.add_bare_host: Debian minbase with Python and sshd only -- no rsync, pip, sudo or systemd; sshd
+as PID 1 on an odd port; root), with the inventory as a user writes it (a private file of their own):
+
+- the private file passed alone with -i stops at once, naming the fix (its hosts would get none of the
+  project's group_vars);
+- `train.yml -i inventory -i PRIVATE -l rented` (the host in group `cpu`: the embedded default, SmolLM2-135M
+  and the demo's data prepared on the node) takes it from bare to a running run: the roles install rsync
+  themselves, the venv comes from the controller's wheel cache, the trainer (as its own user) and the
+  monitor run under supervisord, the monitor answers on the node's 127.0.0.1, and a second run changes
+  nothing;
+- uv without pip and without a wheel cache: the controller downloads the wheel for the node's machine type;
+- `salvage.yml` stops the run with a final checkpoint, pushes from the node to a real S3 server (radosgw)
+  and says the node can go.
+
+What stands in for the real thing: no GPU (the GPU roles skip with their reason), and the node reaches
+Debian's mirror but no other index (the wheel cache carries the Python packages, as on a node without
+internet)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from tests.ansible import testbed
+from tests.ansible.conftest import REPO
+from tests.ansible.test_trainer_service import wait_for
+from tests.s3servers import TEST_ACCESS_KEY, TEST_SECRET_KEY, client
+
+pytestmark = pytest.mark.slow
+ROOT = "/opt/dflash"
+OUT = f"{ROOT}/runs/demo/out"
+
+
+def private_inventory(bed, host, path):
+    """What a user writes for a rented node: its address, odd port and user, in the `cpu` group."""
+    hosts = {
+        host.name: {
+            "ansible_host": host.addr,
+            "ansible_port": host.port,
+            "ansible_user": "root",
+            "ansible_ssh_private_key_file": str(bed.key),
+            "ansible_ssh_common_args": bed.ssh_common_args(),
+        }
+    }
+    path.write_text(yaml.safe_dump({"all": {"children": {"cpu": {"hosts": hosts}}}}, sort_keys=False))
+    return path
+
+
+def status(bed, host) -> dict:
+    r = host.ssh(bed, f"{ROOT}/venv/bin/dflash status --run-dir {OUT} --json", check=False)
+    return json.loads(r.stdout) if r.stdout.strip() else {}
+
+
+def test_a_rented_node_from_bare_to_a_running_run_then_salvaged(
+    bed, bare_host, wheel_cache, repo_snapshot, rgw, runner, tmp_path
+):
+    host = bare_host
+    private = private_inventory(bed, host, tmp_path / "nodes.private.yml")
+    port = testbed._free_port()  # the host shares this machine's network: not the 8080 of other runs
+    ev = {
+        # the trainer's source from a frozen copy (other work edits trainer/ while the suite runs), and the
+        # wheel cache the group fills with scripts/wheel-cache filled by the fixture with the same script
+        "python_env_repo": str(repo_snapshot),
+        "python_env_wheel_cache": str(wheel_cache),
+        "python_env_wheel_cache_build": False,
+        "gpu_facts_report_dir": str(tmp_path / "reports"),
+        "monitor_port": port,
+        # the demo's random tiny target instead of SmolLM2-135M: preparing SmolLM2's dataset on the node (a
+        # greedy regeneration on CPU) takes minutes (measured: the whole play 8 min beside other tests);
+        # every role and step is the same
+        "train_demo_tiny": True,
+        "train_demo_steps": 3000,
+        "dflash_s3_bucket": "salvage",
+        "dflash_s3_prefix": "journey",
+        "dflash_s3_endpoint_url": rgw.endpoint_url,
+        "vault_s3_access_key_id": TEST_ACCESS_KEY,
+        "vault_s3_secret_access_key": TEST_SECRET_KEY,
+    }
+    assert host.ssh(bed, "command -v rsync pip pip3 systemctl sudo", check=False).stdout == ""
+
+    alone = runner.run("train.yml", private, limit="rented", extravars=ev)
+    assert not alone.ok()
+    said = " ".join(f.get("msg", "") for f in alone.failures())
+    assert "got none of inventory/group_vars/" in said and "-i inventory -i FILE" in said, said
+    assert host.ssh(bed, f"test -e {ROOT}", check=False).returncode == 1, "nothing may happen on the host"
+
+    inv = [REPO / "inventory", private]
+    first = runner.run("train.yml", inv, limit="rented", extravars=ev)
+    assert first.ok(), "\n".join(map(str, first.failures())) or first.stdout[-3000:]
+    # the roles that run rsync asked for it (gpu_facts' call of the same role asks for nothing)
+    looked = [r for r in first.task_results("Look for the host's commands", "rented") if "stdout_lines" in r]
+    assert [r["stdout_lines"] for r in looked] == [["rsync"]], looked
+    assert first.task_results("Install the host's missing commands (apt)", "rented")[0]["changed"]
+    assert host.ssh(bed, "command -v rsync").stdout.strip()
+    assert not host.ssh(bed, "command -v pip", check=False).stdout
+    skipped = [
+        r["msg"]
+        for t in ("Say what happens to the driver", "Say what happens to the toolkit")
+        for r in first.task_results(t, "rented")
+    ]
+    assert skipped and all("no NVIDIA GPU" in m for m in skipped), skipped
+    said = first.task_results("Say where to watch it", "rented")[0]["msg"]
+    assert said[1] == f"page: http://127.0.0.1:{port}/" and f"-p {host.port} root@{host.addr}" in said[2]
+    # no systemd: supervisord runs the trainer (as its own user) and the monitor
+    ctl = f"{ROOT}/venv/bin/supervisorctl -c {ROOT}/supervisor/supervisord.conf status"
+    progs = wait_for(
+        lambda: (out := host.ssh(bed, ctl, check=False).stdout).count("RUNNING") >= 2 and out,
+        what="the trainer and the monitor running",
+    )
+    assert "dflash-train" in progs and "dflash-monitor" in progs
+    users = host.ssh(bed, "ps -eo user:20,args | grep '[d]flash train'").stdout
+    assert users.split()[0] == "dflash", users
+    page = host.ssh(
+        bed,
+        f"python3 -c \"import urllib.request;print(urllib.request.urlopen('http://127.0.0.1:{port}/api/status').read().decode())\"",
+    ).stdout
+    assert json.loads(page)["step"] >= 1
+
+    second = runner.run("train.yml", inv, limit="rented", extravars=ev)
+    assert second.ok() and second.changed("rented") == 0, second.changed_tasks("rented")
+
+    # uv without pip and without a wheel cache: the controller fetches the wheel for the node's machine
+    uv_play = tmp_path / "uv.yml"
+    uv_play.write_text(
+        yaml.safe_dump(
+            [
+                {
+                    "name": "uv alone",
+                    "hosts": "all",
+                    "gather_facts": False,
+                    "tasks": [
+                        {
+                            "name": "uv from python_env",
+                            "ansible.builtin.include_role": {"name": "python_env", "tasks_from": "uv"},
+                        }
+                    ],
+                }
+            ]
+        )
+    )
+    uv = runner.run(
+        str(uv_play),
+        inv,
+        limit="rented",
+        extravars={
+            **ev,
+            "python_env_wheel_cache": "",
+            "python_env_uv_dir": "/opt/uv-alone",
+            "python_env_host_wheels": "/opt/uv-alone/wheels",
+            "python_env_uv_download": str(tmp_path / "uv-wheels"),
+        },
+    )
+    assert uv.ok(), "\n".join(map(str, uv.failures()))
+    assert list((tmp_path / "uv-wheels").glob("uv-*manylinux_2_17_x86_64*.whl"))
+    version = host.ssh(bed, "/opt/uv-alone/uv-*.data/scripts/uv --version").stdout
+    assert version.startswith("uv "), version
+
+    salvage = runner.run("salvage.yml", inv, limit="rented", extravars=ev)
+    assert salvage.ok(), salvage.stdout[-6000:]
+    assert "rented can go" in salvage.task_results("The verdict", "rented")[0]["msg"]
+    events = [json.loads(x) for x in host.ssh(bed, f"cat {OUT}/events.jsonl").stdout.splitlines() if x]
+    end = [e for e in events if e["event"] == "run_end"][-1]
+    assert end["status"] in ("stopped", "completed"), end
+    listed = client(rgw.endpoint_url).list_objects_v2(Bucket="salvage", Prefix="journey/rented/")
+    keys = {o["Key"] for o in listed["Contents"]}
+    last = [e for e in events if e["event"] == "checkpoint"][-1]["name"]
+    assert {"journey/rented/MANIFEST.json", "journey/rented/NOTES.md"} <= keys
+    assert f"journey/rented/run/checkpoints/{last}/model.safetensors" in keys
+    text = "".join(r.stdout + json.dumps(r.events, default=str) for r in (first, second, salvage))
+    assert TEST_SECRET_KEY not in text and TEST_ACCESS_KEY not in text
