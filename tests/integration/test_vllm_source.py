@@ -121,6 +121,47 @@ def test_bf16_features_of_a_server_the_capture_starts_equal_the_hooked_ones_with
 
 BF16_TOLERANCE = 0.025
 
+ROPE = {  # config.json changes -> the context vLLM derives (its ModelConfig, in a process of its own)
+    "plain": {"max_position_embeddings": 1024},
+    "linear": {"max_position_embeddings": 1024, "rope_scaling": {"type": "linear", "factor": 4.0}},
+    "yarn": {"max_position_embeddings": 1024,
+             "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}},
+    "dynamic": {"max_position_embeddings": 1024,
+                "rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}},
+    "seq_length": {"max_position_embeddings": 4096, "seq_length": 2048},
+}  # fmt: skip
+
+
+def test_the_context_limit_preflight_derives_is_the_one_vllm_derives(hs_target, tmp_path):
+    """trainer/sources/vllm_target.py mirrors vLLM's derivation of max_model_len; vLLM's own ModelConfig
+    on the same config.json files agrees (a vLLM upgrade that changes it fails here). About 20 s."""
+    import shutil
+
+    from trainer.sources.vllm_target import context_limit
+    from trainer.target import read_config
+
+    folders = {}
+    for name, change in ROPE.items():
+        folders[name] = shutil.copytree(
+            hs_target[0], tmp_path / name, ignore=shutil.ignore_patterns("*.safetensors")
+        )
+        conf = json.loads((folders[name] / "config.json").read_text())
+        (folders[name] / "config.json").write_text(json.dumps({**conf, **change}))
+    code = (
+        "import json, sys; from vllm.config import ModelConfig; "
+        "print(json.dumps({n: ModelConfig(model=p, skip_tokenizer_init=True).max_model_len "
+        "for n, p in json.loads(sys.argv[1]).items()}))"
+    )
+    env = {k: v for k, v in ENV.items() if k != "VLLM_ALLOW_LONG_MAX_MODEL_LEN"}
+    res = subprocess.run([sys.executable, "-c", code, json.dumps({n: str(p) for n, p in folders.items()})],
+                         env=env, capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    theirs = json.loads(res.stdout.strip().splitlines()[-1])
+    ours = {n: context_limit(read_config(p), environ={}).tokens for n, p in folders.items()}
+    assert (
+        ours == theirs == {"plain": 1024, "linear": 4096, "yarn": 1024, "dynamic": 2048, "seq_length": 2048}
+    )
+
 
 def assert_other_layers_refused(cfg: Path, capture: Path, aux: list[int], samples: int, tmp_path) -> None:
     """`--compare` of `capture` with a hooked capture of other aux layers exits 2 and names the layers."""
@@ -189,12 +230,16 @@ def test_a_server_that_is_not_the_runs_is_refused_before_training(
 
 
 def test_an_owned_server_killed_mid_run_ends_in_a_final_checkpoint_and_the_restart_resumes_exactly(
-    hs_server, hs_target, tmp_path
+    hs_server, hs_target, tmp_path, monkeypatch
 ):
     """The run starts its own server (bound to 127.0.0.1); kill -9 of that server's process group at
     step >= 6: the requests are retried (warning events), then a final checkpoint of the last finished
     step and exit 1. The restart (a new owned server) resumes there and ends with the weights of an
-    uninterrupted run over the shared server, bit for bit."""
+    uninterrupted run over the shared server, bit for bit.
+
+    The trainer runs with the trainer service's PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, with
+    which vLLM refuses any KV connector: its servers start without it, and the run says so."""
+    monkeypatch.setitem(ENV, "PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     steps = {"max_steps": 16, "checkpoint_every": 100}
     ref = config(tmp_path, hs_target, "ref", target={"vllm": {"url": hs_server}}, **steps)
     assert dflash("train", "--config", ref).returncode == 0
@@ -211,8 +256,10 @@ def test_an_owned_server_killed_mid_run_ends_in_a_final_checkpoint_and_the_resta
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 1, log[-3000:]
-    warnings = [e for e in events_of(out, "warning") if e["kind"] == "hidden_state_server"]
-    assert warnings and "retry 1/2" in warnings[0]["message"], log[-3000:]
+    warnings = [e["message"] for e in events_of(out, "warning") if e["kind"] == "hidden_state_server"]
+    assert "without PYTORCH_CUDA_ALLOC_CONF expandable_segments:True (unset)" in warnings[0], warnings
+    assert "retry 1/2" in warnings[1], log[-3000:]
+    assert "dflash: the vLLM server runs without" in (out / "vllm-server.log").read_text()
     end = events_of(out, "run_end")[-1]
     assert end["status"] == "failed" and "VllmServerError" in end["error"]
     saved = events_of(out, "checkpoint")

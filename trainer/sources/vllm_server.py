@@ -344,11 +344,15 @@ def start_owned_server(cfg, log=print) -> OwnedServer:
     server = OwnedServer(
         cmd, f"http://127.0.0.1:{port}", out / "vllm-server.log", env, storage_dir=storage, owns_storage=owns
     )
-    for note in server.env_notes:
-        log(note)
-    record = {"pid": server.pid, "started": psutil.Process(server.pid).create_time(), "url": server.url}
-    tmp = out / (PID_FILE + ".tmp")
-    tmp.write_text(json.dumps(record))
-    os.replace(tmp, out / PID_FILE)
-    server.wait_ready(cfg.target.vllm.start_timeout_s)
+    try:  # from here on, a failure stops the server it leaves behind
+        for note in server.env_notes:
+            log(note)
+        record = {"pid": server.pid, "started": psutil.Process(server.pid).create_time(), "url": server.url}
+        tmp = out / (PID_FILE + ".tmp")
+        tmp.write_text(json.dumps(record))
+        os.replace(tmp, out / PID_FILE)
+        server.wait_ready(cfg.target.vllm.start_timeout_s)
+    except BaseException:
+        server.stop()
+        raise
     return server

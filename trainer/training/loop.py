@@ -226,8 +226,9 @@ class Trainer:
             raise RuntimeError(f"ranks diverged: weight checksums {sums}")
 
     def source_warning(self, kind: str, message: str) -> None:
-        """A hidden-state source's trouble it is handling itself (a retried request)."""
-        self.emit("warning", kind=kind, message=message, step=self.step)
+        """A hidden-state source's trouble it is handling itself (a retried request), or what it did
+        while it was opened (the server's environment), before the run has a step."""
+        self.emit("warning", kind=kind, message=message, step=getattr(self, "step", 0))
         self.log(f"WARNING {message}")
 
     # -------------------------------------------------------------- one step
