@@ -90,10 +90,13 @@ def test_a_rented_node_from_bare_to_a_running_run_then_salvaged(
     inv = [REPO / "inventory", private]
     first = runner.run("train.yml", inv, limit="rented", extravars=ev)
     assert first.ok(), "\n".join(map(str, first.failures())) or first.stdout[-3000:]
-    # the roles that run rsync asked for it (gpu_facts' call of the same role asks for nothing)
+    # the first role that runs rsync found it missing and had it installed; the next play's looked again
+    # (gpu_facts' call of the same role asks for nothing)
     looked = [r for r in first.task_results("Look for the host's commands", "rented") if "stdout_lines" in r]
-    assert [r["stdout_lines"] for r in looked] == [["rsync"]], looked
-    assert first.task_results("Install the host's missing commands (apt)", "rented")[0]["changed"]
+    assert [r["stdout_lines"] for r in looked] == [["rsync"], []], looked
+    assert any(
+        r.get("changed") for r in first.task_results("Install the host's missing commands (apt)", "rented")
+    )
     assert host.ssh(bed, "command -v rsync").stdout.strip()
     assert not host.ssh(bed, "command -v pip", check=False).stdout
     skipped = [
