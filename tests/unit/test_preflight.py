@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import struct
+import subprocess
 from pathlib import Path
 
 import datasets
@@ -14,7 +15,7 @@ from trainer.config import load_config
 from trainer.preflight import PreflightReport, run_preflight
 from trainer.preflight.drafter import suggest_aux_ids
 from trainer.preflight.report import Problem
-from trainer.target import SafetensorsError, read_safetensors_header
+from trainer.target import SafetensorsError, TargetInfo, read_config, read_safetensors_header
 
 # ---------------------------------------------------------------- helpers
 
@@ -774,3 +775,47 @@ def test_the_context_limit_is_derived_as_vllm_derives_it(conf, tokens, why):
         context_limit({"max_position_embeddings": 8}, environ={"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"}).tokens
         is None
     )
+
+
+# ---------------------------------------------------------------- /dev/shm for an owned vLLM server
+
+
+@pytest.fixture
+def small_shm(tmp_path):
+    """A real 64 MiB tmpfs: the /dev/shm a container runtime gives by default (Docker's and podman's
+    --shm-size), which the rented-node journey met."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(shm)], check=True)
+    yield shm
+    subprocess.run(["umount", str(shm)], check=True)
+
+
+def test_an_owned_vllm_server_on_a_64_mib_dev_shm_is_refused_before_it_starts(make_config, small_shm):
+    from trainer.preflight.shm import shm_gate
+
+    cfg = load_config(make_config(), ["target.source=vllm"])
+    target = TargetInfo.from_config(read_config(cfg.target.path), cfg.target.path / "config.json")
+    report = PreflightReport()
+    shm_gate(cfg, target, report, shm=small_shm, cpu=True)
+    problem = assert_problem(report, "machine.shm_too_small", "--shm-size", "engine queues", "storage_dir")
+    assert "64 MiB free" in problem.message and report.machine["shm"]["need_mib"] > 240
+    # the spool on disk leaves vLLM's own queues, which still do not fit
+    on_disk = load_config(make_config(), ["target.source=vllm", f"target.vllm.storage_dir={cfg.out_dir}"])
+    report = PreflightReport()
+    shm_gate(on_disk, target, report, shm=small_shm, cpu=True)
+    assert report.machine["shm"]["need_mib"] == 240 and not report.ok
+    # a server of someone else's (target.vllm.url) or the hooked source: nothing to check here
+    for overrides in (["target.source=vllm", "target.vllm.url=http://127.0.0.1:8100"], []):
+        report = PreflightReport()
+        shm_gate(load_config(make_config(), overrides), target, report, shm=small_shm, cpu=True)
+        assert report.ok and "shm" not in report.machine
+
+
+def test_a_large_enough_dev_shm_passes_and_is_reported(make_config, tmp_path):
+    from trainer.preflight.shm import shm_gate
+
+    cfg = load_config(make_config(), ["target.source=vllm"])
+    report = PreflightReport()
+    shm_gate(cfg, None, report, shm=tmp_path, cpu=True)  # this machine's disk: gigabytes free
+    assert report.ok and report.machine["shm"]["free_mib"] > report.machine["shm"]["need_mib"]

@@ -18,7 +18,8 @@ def _prepare(out: Path, tiny: bool, samples: int) -> dict:
     if tiny:
         target = out / "target"
         if not (target / "config.json").exists():
-            synth.tiny_target(target)
+            # head_dim 32: the smallest vLLM's CPU attention serves (the demo on the vLLM source)
+            synth.tiny_target(target, hidden=128)
         if not data.exists():
             rng = np.random.default_rng(0)
             synth.greedy_dataset(

@@ -10,7 +10,7 @@ Three gates, each listing every problem it finds (a run is refused on any error;
   block size, and a warm-start checkpoint's wiring (fc width, aux ids, hidden size) (drafter.py);
 - machine (machine.py): the device (`train.device: cuda` without CUDA, or `auto` on a machine whose
   NVIDIA GPUs torch cannot use, is refused: trainer/device.py), free disk for the kept checkpoints,
-  and a memory estimate against the device.
+  a memory estimate against the device, and /dev/shm for a vLLM server the run starts (shm.py).
 
 The findings and their rendering are in report.py. Light side: model folders are read by
 trainer/target.py (config.json as JSON, safetensors files by their headers only); no transformers or
@@ -27,6 +27,7 @@ from trainer.preflight.data import data_gate
 from trainer.preflight.drafter import aux_gate, drafter_gate, warm_start_gate
 from trainer.preflight.machine import device_gate, disk_gate, memory_gate
 from trainer.preflight.report import PreflightReport
+from trainer.preflight.shm import shm_gate
 from trainer.preflight.target import source_gate, target_gate
 
 if TYPE_CHECKING:
@@ -49,6 +50,7 @@ def run_preflight(cfg: RunConfig) -> PreflightReport:
         ("data", data_gate),
         ("device", device_gate),
         ("disk", disk_gate),
+        ("shared memory", shm_gate),
         ("memory", memory_gate),
     ]
     for name, gate in gates:

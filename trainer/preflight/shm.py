@@ -1,0 +1,87 @@
+"""The shared-memory gate: a vLLM server the run starts itself (`target.source: vllm`, no
+`target.vllm.url`) needs room in /dev/shm, and container runtimes give 64 MiB unless told otherwise
+(Docker's and podman's default `--shm-size`), which is what many rented nodes are.
+
+What takes room there:
+- vLLM's own engine queues (`vllm/distributed/device_communicators/shm_broadcast.py`, `MessageQueue`:
+  up to 10 chunks of 24 MiB; vLLM 0.32 refuses to start below what it needs, "Insufficient space in
+  /dev/shm": 160 MiB measured on a CPU engine). They cannot move elsewhere.
+- The hidden-state files the server writes and the trainer reads, when `target.vllm.storage_dir` is left
+  to its default (/dev/shm when it is writable): up to `prefetch_batches` batches of the tapped layers.
+  These can go to disk instead (`target.vllm.storage_dir`).
+
+Without this gate such a node starts the trainer, the server dies on its first allocation, and the
+service manager restarts the pair forever. Light side: stdlib only.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from trainer.config import RunConfig
+    from trainer.preflight.report import PreflightReport
+    from trainer.target import TargetInfo
+
+MIB = float(2**20)
+SHM = Path("/dev/shm")
+VLLM_QUEUES_BYTES = 10 * 24 * 2**20  # MessageQueue's default max_chunks x max_chunk_bytes (vLLM 0.32)
+
+
+def spool_bytes(cfg: RunConfig, target: TargetInfo, cpu: bool) -> int:
+    """The hidden-state files of `prefetch_batches` batches: every token of a batch, at each tapped layer
+    (the aux ids and the verifier's last state), in the server's dtype."""
+    from trainer.sources.vllm_target import server_dtype
+
+    width = 4 if server_dtype(cfg, cpu) == "float32" else 2
+    layers = len(cfg.drafter.aux_ids) + 1
+    per_batch = cfg.train.max_tokens_per_batch * layers * target.hidden * width
+    return cfg.target.vllm.prefetch_batches * per_batch
+
+
+def shm_gate(
+    cfg: RunConfig,
+    target: TargetInfo | None,
+    report: PreflightReport,
+    shm: Path = SHM,
+    cpu: bool | None = None,
+) -> None:
+    """Refuse an owned vLLM server on a node whose /dev/shm cannot hold its queues (and the hidden-state
+    spool when it goes there); say what was checked."""
+    if cfg.target.source != "vllm" or cfg.target.vllm.url is not None or not shm.is_dir():
+        return
+    if cpu is None:
+        from trainer.device import DeviceRefused, choose_device
+
+        try:
+            cpu = choose_device(cfg.train.device).type == "cpu"
+        except DeviceRefused:  # the device gate reports it
+            return
+    spool_here = cfg.target.vllm.storage_dir is None or Path(
+        cfg.target.vllm.storage_dir
+    ).resolve().is_relative_to(shm.resolve())
+    spool = spool_bytes(cfg, target, cpu) if spool_here and target is not None else 0
+    need = VLLM_QUEUES_BYTES + spool
+    free = shutil.disk_usage(shm).free
+    report.machine["shm"] = {"path": str(shm), "free_mib": free / MIB, "need_mib": need / MIB}
+    if need <= free:
+        return
+    parts = f"vLLM's engine queues {VLLM_QUEUES_BYTES / MIB:.0f} MiB"
+    if spool:
+        parts += (
+            f" + {cfg.target.vllm.prefetch_batches} prefetched batches of hidden states {spool / MIB:.0f} MiB"
+        )
+    fix = (
+        "start the node's container with a larger /dev/shm (docker/podman run --shm-size=2g, or --ipc=host; "
+        "on a rented node: the provider's shared-memory setting)"
+    )
+    if spool:
+        fix += ", or put the hidden-state files on disk with target.vllm.storage_dir (vLLM's queues stay)"
+    report.error(
+        "machine.shm_too_small",
+        f"{shm} has {free / MIB:.0f} MiB free; the vLLM server this run starts needs {need / MIB:.0f} MiB "
+        f"there ({parts}): it would die on start-up and the service would restart it forever",
+        fix,
+    )
