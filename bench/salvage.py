@@ -26,6 +26,7 @@ import statistics
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -122,18 +123,31 @@ def main() -> int:
             )
             sums = {rel: e["sha256"] for rel, e in manifest["files"].items()}
             base_t, md5_t, push_t, verify_t = [], [], [], []
+            # a prefix of this bench run's own: a push refuses to overwrite another set's objects (an
+            # earlier run's, on an --endpoint-url that keeps its buckets)
+            tag = uuid.uuid4().hex[:8]
             for r in range(args.rounds):
                 b = baseline(plain, args.bucket, f"base-{r}", set_dir, files)
                 m = baseline(checked, args.bucket, f"md5-{r}", set_dir, files, sums)
                 md5_t.append(m)
                 t0 = time.perf_counter()
                 rep = push(
-                    set_dir, f"s3://{args.bucket}/push-{r}", endpoint, workers=args.workers, progress=False
+                    set_dir,
+                    f"s3://{args.bucket}/push-{tag}-{r}",
+                    endpoint,
+                    workers=args.workers,
+                    progress=False,
                 )
                 p = time.perf_counter() - t0
                 assert rep["ok"] and rep["uploaded"] == len(files), rep.get("failed")
                 t0 = time.perf_counter()
-                ver = verify_s3(f"s3://{args.bucket}/push-{r}", endpoint, load=False, workers=args.workers)
+                ver = verify_s3(
+                    f"s3://{args.bucket}/push-{tag}-{r}",
+                    endpoint,
+                    load=False,
+                    workers=args.workers,
+                    local_manifest=manifest,  # what the role does: S3 compared with the collected set
+                )
                 v = time.perf_counter() - t0
                 assert ver["ok"], ver["summary"]
                 base_t.append(b)
@@ -146,7 +160,7 @@ def main() -> int:
                 )
             t0 = time.perf_counter()
             again = push(
-                set_dir, f"s3://{args.bucket}/push-0", endpoint, workers=args.workers, progress=False
+                set_dir, f"s3://{args.bucket}/push-{tag}-0", endpoint, workers=args.workers, progress=False
             )
             second = time.perf_counter() - t0
             print(f"second push of an unchanged set: {again['uploaded_bytes']} bytes sent, {second:.2f} s")

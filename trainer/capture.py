@@ -89,8 +89,11 @@ def compare_captures(a_path: Path, b_path: Path) -> CaptureDiff:
     def load(p: Path):
         if not p.is_file():
             raise CaptureError(f"{p}: no such capture file")
-        with safe_open(str(p), "pt") as f:
-            return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata() or {})
+        try:
+            with safe_open(str(p), "pt") as f:
+                return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata() or {})
+        except Exception as exc:  # safetensors' own error types: a file that is no capture
+            raise CaptureError(f"{p}: not a safetensors capture file ({exc})") from None
 
     (a, ma), (b, mb) = load(a_path), load(b_path)
     if ma.get("aux_ids") != mb.get("aux_ids") or ma.get("samples") != mb.get("samples"):

@@ -9,12 +9,19 @@ Paths given relative are resolved against the config file's folder, so a run fol
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from trainer.errors import DflashError
 
@@ -25,8 +32,24 @@ class ConfigError(DflashError, ValueError):
     """A run config that cannot be used; the message says what to change."""
 
 
+MAX_WHOLE = 2**53  # any count a config holds: beyond it a float has already lost the number
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _whole_numbers(cls, v: Any, info: ValidationInfo) -> Any:
+        """A float where a whole number belongs (`max_steps: 1.0e+15`, `block_size: 16.0`) is refused,
+        not rounded, and so is a whole number past 2**53."""
+        field = cls.model_fields.get(info.field_name or "")
+        if field is not None and field.annotation in (int, int | None) and not isinstance(v, bool):
+            if isinstance(v, float):
+                raise ValueError("not a whole number (write it without . or e)")
+            if isinstance(v, int) and abs(v) > MAX_WHOLE:
+                raise ValueError("beyond any run (at most 2**53)")
+        return v
 
 
 class VllmSourceConfig(_Section):
@@ -96,7 +119,7 @@ class DataConfig(_Section):
 
 class DrafterConfig(_Section):
     num_layers: int = Field(1, ge=1, description="draft decoder layers")
-    block_size: int = Field(16, description="draft block size B (paper: 16); B-1 tokens speculated")
+    block_size: int = Field(16, le=256, description="draft block size B (paper: 16); B-1 tokens speculated")
     aux_layer_ids: list[int] = Field(description="target layers fed to the drafter's fc")
     layer_id_convention: Literal["speculators", "specforge"] = Field(
         "speculators",
@@ -140,7 +163,9 @@ class DrafterConfig(_Section):
 
 
 class TrainConfig(_Section):
-    max_steps: int = Field(1000, ge=1, description="optimizer steps; the last step event has step=max_steps")
+    max_steps: int = Field(
+        1000, ge=1, le=10**9, description="optimizer steps; the last step event has step=max_steps"
+    )
     lr: float = Field(6.0e-4, gt=0, description="peak learning rate (SpecForge Qwen3.6-27B: 6e-4)")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="cosine floor as a fraction of lr")
     warmup_steps: int | None = Field(None, ge=0, description="default: warmup_ratio * max_steps")
@@ -372,7 +397,8 @@ def _format_validation_error(exc: ValidationError, source: str) -> str:
         elif err["type"] == "missing":
             lines.append(f"  - {loc}: required key is missing")
         else:
-            lines.append(f"  - {loc}: {err['msg']} (got {err.get('input')!r})")
+            msg = err["msg"].removeprefix("Value error, ")
+            lines.append(f"  - {loc}: {msg} (got {err.get('input')!r})")
     return "\n".join(lines)
 
 
@@ -399,9 +425,17 @@ def config_from_text(text: str, base: Path, source: str, overrides: list[str] | 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"run config {path} is a folder, not a YAML file (pass --config FILE)")
     if not path.is_file():
         raise ConfigError(f"run config {path} does not exist (pass --config FILE)")
-    return config_from_text(path.read_text(), path.resolve().parent, str(path), overrides)
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}): save the file as UTF-8") from None
+    except OSError as exc:
+        raise ConfigError(f"run config {path} cannot be read: {exc.strerror}") from None
+    return config_from_text(text, path.resolve().parent, str(path), overrides)
 
 
 def dump_config(cfg: RunConfig, path: Path) -> None:
@@ -409,56 +443,3 @@ def dump_config(cfg: RunConfig, path: Path) -> None:
     from trainer.fsutil import atomic_write_text
 
     atomic_write_text(path, yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-
-
-def _type_name(ann: Any) -> str:
-    import typing
-
-    origin = typing.get_origin(ann)
-    args = typing.get_args(ann)
-    if origin is Literal:
-        return " | ".join(repr(a) for a in args)
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
-        return " | ".join(_type_name(a) for a in args)
-    if origin in (list, tuple):
-        inner = ", ".join(_type_name(a) for a in args if a is not Ellipsis)
-        return f"{origin.__name__}[{inner}]"
-    if ann is type(None):
-        return "null"
-    return {Path: "path"}.get(ann, getattr(ann, "__name__", str(ann)))
-
-
-def schema_reference() -> list[tuple[str, str, str, str]]:
-    """(key, type, default, description) rows for docs and `dflash config --schema`."""
-    rows: list[tuple[str, str, str, str]] = []
-
-    def walk(model: type[BaseModel], prefix: str) -> None:
-        for name, field in model.model_fields.items():
-            ann = field.annotation
-            key = f"{prefix}{name}"
-            if isinstance(ann, type) and issubclass(ann, BaseModel):
-                walk(ann, key + ".")
-                continue
-            if field.is_required():
-                default = "required"
-            else:
-                value = field.get_default(call_default_factory=True)
-                default = (
-                    "null"
-                    if value is None
-                    else json.dumps(list(value) if isinstance(value, tuple) else value)
-                )
-            rows.append((key, _type_name(ann), default, field.description or ""))
-
-    walk(RunConfig, "")
-    return rows
-
-
-def schema_markdown() -> str:
-    """The run-config reference table (docs/reference/config.md embeds it; a test keeps it current)."""
-    lines = ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
-    for key, typ, default, desc in schema_reference():
-        lines.append(
-            f"| `{key}` | {typ.replace('|', '&#124;')} | `{default}` | {desc.replace('|', '&#124;')} |"
-        )
-    return "\n".join(lines) + "\n"

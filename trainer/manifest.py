@@ -214,7 +214,10 @@ def load_manifest(path: Path) -> dict[str, Any]:
 
 def check_manifest(data: Any, label: str) -> dict[str, Any]:
     """`data` (a parsed manifest from a file or an S3 object named `label`) if it is a usable manifest:
-    the right version, and every entry a safe relative path with size + sha256 (or a symlink)."""
+    the right version, and every entry a safe relative path with size + sha256 (or a symlink). A
+    manifest read from S3 is input, never trusted: no entry may be absolute, contain `..`, `.` or an
+    empty part, hold a NUL or a backslash, or lie under another entry that is a symlink (a write
+    through it would leave the set)."""
     if not isinstance(data, dict) or data.get("manifest_version") != MANIFEST_VERSION:
         got = data.get("manifest_version") if isinstance(data, dict) else type(data).__name__
         raise ManifestError(f"manifest {label}: expected manifest_version {MANIFEST_VERSION}, got {got!r}")
@@ -222,15 +225,72 @@ def check_manifest(data: Any, label: str) -> dict[str, Any]:
     if not isinstance(files, dict):
         raise ManifestError(f"manifest {label}: 'files' must be a mapping of relative path -> entry")
     for rel, entry in files.items():
-        parts = rel.split("/")
-        if rel.startswith("/") or ".." in parts or "" in parts:
-            raise ManifestError(f"manifest {label}: unsafe path {rel!r} (absolute, empty part or '..')")
+        check_rel(rel, f"manifest {label}")
         if not isinstance(entry, dict) or not (
-            ("symlink" in entry)
-            or (isinstance(entry.get("size"), int) and isinstance(entry.get("sha256"), str))
+            isinstance(entry.get("symlink"), str)
+            or (
+                type(entry.get("size")) is int
+                and entry["size"] >= 0
+                and isinstance(entry.get("sha256"), str)
+                and len(entry["sha256"]) == 64
+            )
         ):
-            raise ManifestError(f"manifest {label}: entry {rel!r} needs size and sha256 (or symlink)")
+            raise ManifestError(
+                f"manifest {label}: entry {rel!r} needs size (an integer >= 0) and sha256 (64 hex "
+                "digits), or symlink"
+            )
+    links = {rel for rel, e in files.items() if "symlink" in e}
+    for rel in files:
+        parts = rel.split("/")
+        under = next(
+            ("/".join(parts[:i]) for i in range(1, len(parts)) if "/".join(parts[:i]) in links), None
+        )
+        if under is not None:
+            raise ManifestError(f"manifest {label}: entry {rel!r} lies under the symlink entry {under!r}")
+    for key in ("records", "locations"):
+        if not isinstance(data.get(key, {}), dict):
+            raise ManifestError(f"manifest {label}: {key!r} must be a mapping")
+    for name in data.get("records", {}):
+        check_rel(name, f"manifest {label} (records)")
     return data
+
+
+def check_rel(rel: Any, label: str) -> str:
+    """A path from a manifest, if it is safe to join under a folder: relative, "/"-separated, no empty,
+    `.` or `..` part, no NUL or backslash."""
+    if not isinstance(rel, str) or not rel:
+        raise ManifestError(f"{label}: an entry's path must be a non-empty string, got {rel!r}")
+    parts = rel.split("/")
+    if rel.startswith("/") or any(p in ("", ".", "..") for p in parts) or "\\" in rel or "\x00" in rel:
+        raise ManifestError(
+            f"{label}: unsafe path {rel!r} (absolute, an empty, '.' or '..' part, a backslash or NUL): "
+            "a manifest's paths must stay inside its folder"
+        )
+    return rel
+
+
+def inside(root: Path, rel: str, label: str = "manifest") -> Path:
+    """`root / rel` after `check_rel`, and proven to resolve inside `root` (no symlink on the way out)."""
+    check_rel(rel, label)
+    root = Path(root)
+    path = root / rel
+    if not path.resolve().is_relative_to(root.resolve()):
+        raise ManifestError(f"{label}: {rel!r} resolves outside {root} (a symlink on its way?)")
+    return path
+
+
+def content_digest(manifest: dict[str, Any]) -> str:
+    """sha256 of what a manifest describes (every path with its size and sha256, or its symlink), not of
+    when or where it was made: two manifests of the same bytes have the same digest. Collect, push and
+    verify each name it, and the notes say "the node can go" only when all three name the same one."""
+    import hashlib
+
+    entries = {
+        rel: {k: v for k, v in e.items() if k in ("size", "sha256", "symlink")}
+        for rel, e in manifest.get("files", {}).items()
+    }
+    body = json.dumps(entries, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(body).hexdigest()
 
 
 def verify_manifest(

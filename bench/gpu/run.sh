@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU check in one call (docs/gpu-check.md). On the lent H200 (carry .whl, made by scripts/gpu-wheels):
-#   bash bench/gpu/run.sh                 -> report in $OUT, table on stdout
-# On a rented node with the project's venv: PYTHON=.venv/bin/python bash bench/gpu/run.sh
-# Arguments go to bench/gpu/check.py (--cpu-smoke, --shapes, --steps, --budget-s, --out).
+#   bash bench/gpu/run.sh --quick         -> first call (~5-6 min): every stage, small shape; report in $OUT
+#   bash bench/gpu/run.sh --budget-s N    -> second call: the full run within what is left
+# On a rented node with the project's venv: PYTHON=.venv/bin/python bash bench/gpu/run.sh [--quick]
+# Arguments go to bench/gpu/check.py (--quick, --cpu-smoke, --shapes, --stages, --steps, --budget-s, --out).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 py=${PYTHON:-python3}

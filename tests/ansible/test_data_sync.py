@@ -1,5 +1,6 @@
 """data_sync on real SSH hosts with real rsync: push, idempotence, repair of a corrupted copy, a transfer
-killed mid-way then re-run, and a host -> host relay through the controller."""
+killed mid-way then re-run, a host -> host relay through the controller, and S3 -> host with no secret
+in any process's command line or environment while it runs."""
 
 import hashlib
 import json
@@ -7,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -168,6 +170,43 @@ def test_host_to_host_relay_through_the_controller(bed, provisioned, runner, tmp
     assert (a.root / "ckpt-src.manifest.json").is_file()  # the source host's own manifest proves the chain
 
 
+class SecretWatch(threading.Thread):
+    """`ps e` on a test host over and over while a play runs: the command line and environment of every
+    process under the host's sshd (what the play runs there; the tests run as root, so every environment
+    is readable): which of them held `secret`, and how often a `dflash s3 pull` was seen (proof that the
+    watch looked while the pull ran)."""
+
+    def __init__(self, sshd_pid: int, secret: str):
+        super().__init__(daemon=True)
+        self.sshd = psutil.Process(sshd_pid)
+        self.secret = secret
+        self.leaks: list[str] = []
+        self.pulls_seen = 0
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.is_set():
+            for proc in self.sshd.children(recursive=True):
+                try:
+                    cmd = " ".join(proc.cmdline())
+                    env = proc.environ()
+                except psutil.Error:
+                    continue  # gone meanwhile
+                if " s3 pull " in cmd:
+                    self.pulls_seen += 1
+                if self.secret in cmd or any(self.secret in v for v in env.values()):
+                    self.leaks.append(f"pid {proc.pid}: {cmd[:300]}")
+            time.sleep(0.01)
+
+    def __enter__(self) -> "SecretWatch":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+        self.join(timeout=10)
+
+
 def test_s3_to_host_from_a_real_s3_server(bed, provisioned, runner, rgw, tmp_path):
     """S3 -> host: the folder is uploaded once with `dflash s3 push`; the role has the host pull it from
     radosgw (reached from inside the host's namespace), proven per file; --check moves nothing, a second
@@ -207,8 +246,12 @@ def test_s3_to_host_from_a_real_s3_server(bed, provisioned, runner, rgw, tmp_pat
     }
     dry = runner.run(ROLE, inv, limit="node-a", extravars=ev, check=True)
     assert dry.ok() and dry.changed("node-a") == 1 and not dest.exists(), dry
-    first = runner.run(ROLE, inv, limit="node-a", extravars=ev)
+    with SecretWatch(host.pid, TEST_SECRET_KEY) as watch:  # `ps` during the pull: the secret is nowhere
+        first = runner.run(ROLE, inv, limit="node-a", extravars=ev)
     assert first.ok(), first
+    assert watch.pulls_seen > 0 and not watch.leaks, (watch.pulls_seen, watch.leaks[:5])
+    creds = first.task_results("Make the S3 credentials file (0600, on the host): tok", "node-a")[0]["path"]
+    assert not Path(creds).exists()  # removed after the pull
     assert digests(dest) == digests(src)
     assert (host.root / "data" / "tok.manifest.json").is_file()
     assert TEST_SECRET_KEY not in first.stdout and TEST_SECRET_KEY not in json.dumps(first.events)

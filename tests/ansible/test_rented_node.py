@@ -81,6 +81,8 @@ def test_a_rented_node_from_bare_to_a_running_run_then_salvaged(
         # vLLM refuses with a KV connector: the trainer hands its server an environment without it)
         "train_demo_source": "vllm",
         "python_env_engine": True,
+        # the trainer keeps training through the rest of the journey: one core, the other lane runs beside it
+        "trainer_service_env": {"OMP_NUM_THREADS": "1"},
         "dflash_s3_bucket": "salvage",
         "dflash_s3_prefix": "journey",
         "dflash_s3_endpoint_url": rgw.endpoint_url,
@@ -203,10 +205,10 @@ def test_a_rented_node_from_bare_to_a_running_run_then_salvaged(
     events = [json.loads(x) for x in host.ssh(bed, f"cat {OUT}/events.jsonl").stdout.splitlines() if x]
     end = [e for e in events if e["event"] == "run_end"][-1]
     assert end["status"] in ("stopped", "completed"), end
-    listed = client(rgw.endpoint_url).list_objects_v2(Bucket="salvage", Prefix="journey/rented/")
+    listed = client(rgw.endpoint_url).list_objects_v2(Bucket="salvage", Prefix="journey/rented/demo/")
     keys = {o["Key"] for o in listed["Contents"]}
     last = [e for e in events if e["event"] == "checkpoint"][-1]["name"]
-    assert {"journey/rented/MANIFEST.json", "journey/rented/NOTES.md"} <= keys
-    assert f"journey/rented/run/checkpoints/{last}/model.safetensors" in keys
+    assert {"journey/rented/demo/MANIFEST.json", "journey/rented/demo/NOTES.md"} <= keys
+    assert f"journey/rented/demo/run/checkpoints/{last}/model.safetensors" in keys
     text = "".join(r.stdout + json.dumps(r.events, default=str) for r in (first, again, second, salvage))
     assert TEST_SECRET_KEY not in text and TEST_ACCESS_KEY not in text

@@ -131,10 +131,10 @@ def test_salvage_playbook_on_a_real_host(bed, provisioned, runner, rgw, tiny_tar
     notes = (fetched / "NOTES.md").read_text()
     assert "**Verdict: the node can go.**" in notes and "sglang" in notes
     assert f"with final checkpoint {final['name']}" in notes
-    keys = {o["Key"] for o in s3c.list_objects_v2(Bucket="salvage", Prefix="role/node-a/")["Contents"]}
+    keys = {o["Key"] for o in s3c.list_objects_v2(Bucket="salvage", Prefix="role/node-a/main/")["Contents"]}
     assert (
-        f"role/node-a/run/checkpoints/{final['name']}/model.safetensors" in keys
-        and "role/node-a/NOTES.md" in keys
+        f"role/node-a/main/run/checkpoints/{final['name']}/model.safetensors" in keys
+        and "role/node-a/main/NOTES.md" in keys
     )
     verify = json.loads((fetched / ".salvage" / "verify.json").read_text())
     assert verify["ok"] and all(c["ok"] for c in verify["load"]["checkpoints"].values())
@@ -171,17 +171,17 @@ def test_salvage_playbook_pushing_from_the_node(bed, provisioned, runner, rgw, f
     assert res.ok(), res.stdout[-6000:]
     notes = (host.root / "salvage" / "NOTES.md").read_text()
     assert "**Verdict: the node can go.**" in notes and "not_running" in notes
-    assert "s3://salvage/role-node/node-b/" in notes
+    assert "s3://salvage/role-node/node-b/main/" in notes  # the prefix names the node and the run
     keys = {
         o["Key"]
-        for o in client(rgw.endpoint_url).list_objects_v2(Bucket="salvage", Prefix="role-node/node-b/")[
+        for o in client(rgw.endpoint_url).list_objects_v2(Bucket="salvage", Prefix="role-node/node-b/main/")[
             "Contents"
         ]
     }
     assert {
-        "role-node/node-b/MANIFEST.json",
-        "role-node/node-b/NOTES.md",
-        "role-node/node-b/run/events.jsonl",
+        "role-node/node-b/main/MANIFEST.json",
+        "role-node/node-b/main/NOTES.md",
+        "role-node/node-b/main/run/events.jsonl",
     } <= keys
     assert not (host.root / ".salvage-aws-credentials").exists()
     text = res.stdout + json.dumps(res.events, default=str)

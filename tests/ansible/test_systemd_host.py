@@ -42,6 +42,7 @@ def test_systemd_unit_is_hardened_restarts_after_kill_9_and_resumes(
         "test_role": "trainer_service",
         "trainer_service_run_config": cfg,
         "trainer_service_run_name": "tiny",
+        "trainer_service_env": {"OMP_NUM_THREADS": "1"},  # one core: the other lane's tests run beside it
         **provision_vars,
     }
     first = runner.run(ROLE, inv, limit="sysd", extravars=ev)
@@ -143,6 +144,7 @@ def test_the_vllm_source_runs_under_the_hardened_unit(
         "trainer_service_run_config": cfg,
         "trainer_service_run_name": "tiny-vllm",
         "trainer_service_name": name,
+        "trainer_service_env": {"OMP_NUM_THREADS": "1"},
         **provision_vars,
         "python_env_wheel_cache": str(engine_wheel_cache),
     }

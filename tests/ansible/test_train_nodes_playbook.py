@@ -181,7 +181,7 @@ def salvage_the_group(bed, runner, rgw, tmp_path, run_end) -> None:
         o["Key"]
         for o in client(rgw.endpoint_url).list_objects_v2(Bucket="salvage", Prefix="group/")["Contents"]
     }
-    ck = f"group/node-a-x2/node-a/run/checkpoints/{run_end['last_checkpoint']}/model.safetensors"
-    assert ck in keys and "group/node-a-x2/node-a/NOTES.md" in keys
-    assert {"group/node-a-x2/node-b/run/node.json", "group/node-a-x2/node-b/NOTES.md"} <= keys
-    assert not any(k.startswith("group/node-a-x2/node-b/run/checkpoints/") for k in keys)
+    ck = f"group/node-a-x2/nodes/node-a/run/checkpoints/{run_end['last_checkpoint']}/model.safetensors"
+    assert ck in keys and "group/node-a-x2/nodes/node-a/NOTES.md" in keys
+    assert {"group/node-a-x2/nodes/node-b/run/node.json", "group/node-a-x2/nodes/node-b/NOTES.md"} <= keys
+    assert not any(k.startswith("group/node-a-x2/nodes/node-b/run/checkpoints/") for k in keys)

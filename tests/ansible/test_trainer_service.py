@@ -57,6 +57,7 @@ def test_supervisord_runs_one_trainer_restarts_it_after_kill_9_and_it_resumes(
         "trainer_service_run_name": "tiny",
         "trainer_service_user": "root",
         "trainer_service_create_user": False,
+        "trainer_service_env": {"OMP_NUM_THREADS": "1"},  # one core: the other lane's tests run beside it
         **provision_vars,
     }
     first = runner.run(ROLE, inv, limit="node-a", extravars=ev)

@@ -2,8 +2,8 @@
 nodes), reached with a generated key and host key checking ON (a known_hosts file of their real host
 keys). Hosts share this machine's filesystem, so each gets its own root folder (`dflash_root`).
 
-Used by tests/ansible/ (pytest fixtures), the molecule scenarios (roles/*/molecule/default/, through the
-CLI below) and bench/sync.py. Needs root, iproute2, openssh-server (requirements/apt.txt). Everything it
+Used by tests/ansible/ (pytest fixtures), bench/sync.py and by hand (the CLI below: hosts to try a role
+on). Needs root, iproute2, openssh-server (requirements/apt.txt). Everything it
 creates is removed by `Testbed.close()` (namespaces, veth links, sshd processes it started).
 
 CLI (the hosts outlive the command; DIR/state.json records what `down` removes):

@@ -57,6 +57,7 @@ LIGHT = (
     "trainer.s3.pull",
     "trainer.s3.push",
     "trainer.salvage.collect",
+    "trainer.salvage.select",
     "trainer.salvage.facts",
     "trainer.salvage.loadable",
     "trainer.salvage.inventory",

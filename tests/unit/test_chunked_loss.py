@@ -124,3 +124,49 @@ def test_chunk_rows_below_one_are_refused(make_config):
     d = build_drafter(load_config(make_config()), torch.device("cpu"))
     with pytest.raises(ValueError, match="at least 1"):
         ChunkedDraftLoss(d, 0)
+
+
+def test_chunked_backbone_is_compiled_where_speculators_compiles(make_config, monkeypatch):
+    """Issue #32 item 1: speculators compiles only `DFlashDraftModel.forward`, and only with CUDA
+    visible; the chunked loss calls `_backbone_forward` itself, so it must make the same decision or
+    flex attention runs unfused on CUDA (the whole score matrix). With CUDA made visible for the
+    decision only (the compute stays on CPU, traced with backend="eager": the tracing is what decides
+    whether flex attention is fused, inductor's code generation is not under test), the backbone is
+    compiled, a flex-attention forward raises no "called without torch.compile" warning, and a second
+    step reuses the graph. Without CUDA it is the plain method (the control: the warning fires)."""
+    import warnings
+
+    from speculators.losses import resolve_loss_config
+    from torch._dynamo.utils import counters
+    from torch.nn.attention import flex_attention as fa
+
+    from trainer.drafter import build_drafter
+    from trainer.training import chunked_loss as cl
+
+    d = build_drafter(load_config(make_config(drafter={"block_size": 4})), torch.device("cpu"))
+    d._attn_impl, d._create_mask_fn = "simple_flex_attention", fa.create_block_mask  # as on CUDA
+    for layer in d.layers:
+        layer.self_attn.config._attn_implementation = "simple_flex_attention"
+    inputs, cfg = _inputs(d), resolve_loss_config("ce", "eager")
+
+    def flex_warnings(module) -> list[str]:
+        fa._WARNINGS_SHOWN.discard("flex_attention_performance")  # torch warns once per process
+        with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+            warnings.simplefilter("always")
+            torch.manual_seed(1)
+            module(**inputs, loss_config=cfg, max_anchors=ANCHORS)
+        return [str(w.message) for w in caught if "without torch.compile" in str(w.message)]
+
+    monkeypatch.setitem(cl.COMPILE_OPTIONS, "backend", "eager")
+    torch._dynamo.reset()
+    with monkeypatch.context() as m:
+        m.setattr(torch.cuda, "is_available", lambda: True)  # the decision only
+        compiled = cl.ChunkedDraftLoss(d, CHUNK)
+    assert cl.is_compiled(compiled._backbone), "not compiled where speculators compiles"
+    assert flex_warnings(compiled) == []
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs > 0 and flex_warnings(compiled) == [] and counters["stats"]["unique_graphs"] == graphs
+
+    plain = cl.ChunkedDraftLoss(d, CHUNK)  # CPU: speculators compiles nothing, nor do we
+    assert not cl.is_compiled(plain._backbone)
+    assert flex_warnings(plain), "the control: uncompiled flex attention warns"

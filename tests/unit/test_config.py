@@ -5,7 +5,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from trainer.config import ConfigError, apply_overrides, load_config, schema_reference
+from trainer.config import ConfigError, apply_overrides, load_config
+from trainer.config_schema import schema_reference
 
 MINIMAL = {
     "target": {"path": "target"},
@@ -130,7 +131,7 @@ def test_schema_reference_lists_every_leaf_key():
 
 def test_docs_reference_lists_the_current_schema():
     from tests.conftest import REPO
-    from trainer.config import schema_markdown
+    from trainer.config_schema import schema_markdown
 
     page = (REPO / "docs" / "reference" / "config.md").read_text()
     assert schema_markdown() in page, (

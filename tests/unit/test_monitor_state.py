@@ -367,6 +367,41 @@ def test_redaction_masks_secret_keys_and_token_shaped_text_only():
     )
 
 
+@pytest.mark.parametrize(
+    "line, secret, kept",
+    [
+        (
+            "clone https://user:hunter2pw@git.example.com/x.git",
+            "hunter2pw",
+            "https://user:***@git.example.com",
+        ),
+        ('{"password": "p w x", "tokens": 5}', "p w x", '"tokens": 5'),
+        ("{'secret': 'abc123', 'bucket': 'b'}", "abc123", "'bucket': 'b'"),
+        ('{"aws_secret_access_key":"Zq/9kk","max_tokens":8}', "Zq/9kk", '"max_tokens":8'),
+        ("temporary key ASIAABCDEFGHIJKLMNOP in use", "ASIAABCDEFGHIJKLMNOP", "temporary key *** in use"),
+        ("vllm serve m --token abc123 --max-new-tokens 5", "abc123", "--max-new-tokens 5"),
+        ("cmd --password hunter2 --hf-token=xyz789 --port 80", "hunter2", "--port 80"),
+        ("cmd --hf-token=xyz789 --port 80", "xyz789", "--hf-token=***"),
+        ("Authorization: Basic dXNlcjpwYXNz", "dXNlcjpwYXNz", "Authorization: Basic ***"),
+        ('"authorization": "token t0ps3cret"', "t0ps3cret", '"authorization": "token ***'),
+        ("AWS_SESSION_TOKEN=FwoGZXIvYXdz tokens 5", "FwoGZXIvYXdz", "tokens 5"),
+    ],
+)
+def test_redaction_covers_urls_json_cli_flags_temporary_keys_and_basic_auth(line, secret, kept):
+    masked = redact_text(line)
+    assert secret not in masked and kept in masked, masked
+    assert redact({"message": line})["message"] == masked  # event strings get the same treatment
+
+
+def test_redaction_leaves_ordinary_lines_alone():
+    for line in (
+        "http://localhost:8000/v1 ready",
+        "step 5 tokens 5000 tokens_per_s: 3.5 max_new_tokens=64",
+        "basic checks passed; --max-tokens 12",
+    ):
+        assert redact_text(line) == line
+
+
 def test_parse_nvidia_smi_rows():
     text = "0, NVIDIA H200, 87, 70123, 143771, 61, 512.30\n1, NVIDIA H200, [N/A], 10, 143771, 40, [N/A]\n"
     g0, g1 = parse_nvidia_smi(text)

@@ -26,11 +26,78 @@ def load(path: Path):
 
 
 def role_files(role: str, *suffixes: str) -> list[Path]:
-    return sorted(
-        p
-        for p in (ROLES / role).rglob("*")
-        if p.is_file() and p.suffix in suffixes and "molecule" not in p.parts
-    )
+    return sorted(p for p in (ROLES / role).rglob("*") if p.is_file() and p.suffix in suffixes)
+
+
+# The tests that run each role for real (SSH test hosts, the systemd container, the bare rented-node
+# container), each with a second run that changes nothing. One proof per behaviour: the roles' molecule
+# scenarios repeated these runs on the same hosts and were removed (docs/provision.md, "Testing a role").
+ROLE_PROOFS = {
+    "gpu_facts": ("test_recon.py", "test_rented_node.py"),
+    "prerequisites": ("test_rented_node.py",),
+    "nvidia_driver": ("test_rented_node.py",),
+    "cuda_toolkit": ("test_rented_node.py",),
+    "python_env": ("test_python_env.py", "test_rented_node.py", "test_systemd_host.py"),
+    "data_sync": ("test_data_sync.py",),
+    "trainer_service": ("test_trainer_service.py", "test_systemd_host.py", "test_rented_node.py"),
+    "monitor": ("test_rented_node.py", "test_regenerate_playbook.py"),
+    "salvage": ("test_salvage_role.py", "test_rented_node.py", "test_train_nodes_playbook.py"),
+    "regenerate_job": ("test_regenerate_playbook.py",),
+}
+
+
+def _roles_of_role(role: str, seen: set[str]) -> set[str]:
+    if role in seen:
+        return set()
+    seen.add(role)
+    meta = load(ROLES / role / "meta" / "main.yml") or {}
+    for dep in meta.get("dependencies") or []:
+        _roles_of_role(dep["role"] if isinstance(dep, dict) else dep, seen)
+    return seen
+
+
+def _roles_of_playbook(path: Path) -> set[str]:
+    """Every role a playbook runs: its plays' roles, the roles its tasks include by a literal name, the
+    playbooks it imports, and each role's meta dependencies."""
+    found: set[str] = set()
+    for play in load(path):
+        if "ansible.builtin.import_playbook" in play:
+            found |= _roles_of_playbook(path.parent / play["ansible.builtin.import_playbook"])
+            continue
+        for entry in play.get("roles") or []:
+            found |= _roles_of_role(entry["role"] if isinstance(entry, dict) else entry, set())
+        for section in ("pre_tasks", "tasks", "post_tasks"):
+            for task in play.get(section) or []:
+                name = (
+                    task.get("ansible.builtin.include_role") or task.get("ansible.builtin.import_role") or {}
+                )
+                if "{{" not in name.get("name", "{{"):
+                    found |= _roles_of_role(name["name"], set())
+    return found
+
+
+def roles_run_by(test: Path) -> set[str]:
+    """The roles a test under tests/ansible/ runs: the playbooks it hands the runner, and the roles it
+    runs alone through tests/ansible/playbooks/role.yml (`"test_role": "NAME"`)."""
+    text = test.read_text()
+    found: set[str] = set()
+    for book in re.findall(r'runner\.run\(\s*"(\w+\.yml)"', text):
+        found |= _roles_of_playbook(REPO / "playbooks" / book)
+    for role in re.findall(r'"test_role": "(\w+)"', text):
+        found |= _roles_of_role(role, set())
+    return found
+
+
+def test_every_role_is_run_for_real_by_the_tests_that_prove_it():
+    assert set(ROLE_PROOFS) == set(ROLE_NAMES), set(ROLE_PROOFS) ^ set(ROLE_NAMES)
+    assert not list(ROLES.glob("*/molecule")), "a scenario would run a role a second time"
+    for role, tests in ROLE_PROOFS.items():
+        for name in tests:
+            assert role in roles_run_by(REPO / "tests" / "ansible" / name), (role, name)
+        # at least one of them runs it a second time and asserts that nothing changed
+        assert any(
+            re.search(r"\.changed\([^)]*\) == 0", (REPO / "tests" / "ansible" / n).read_text()) for n in tests
+        ), role
 
 
 def test_the_roles_exist():

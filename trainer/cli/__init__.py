@@ -13,6 +13,7 @@ code: caught once, in `main`, printed as `dflash VERB: MESSAGE`.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from trainer.cli import evaluate, node, run, salvage, watch
@@ -41,10 +42,25 @@ def verb_name(args: argparse.Namespace) -> str:
     return " ".join(words)
 
 
+def _stdout_gone() -> int:
+    """The reader of stdout went away (`dflash plan ... | head`): what it read is all it wanted. Stdout
+    is pointed at /dev/null so the interpreter's last flush does not fail too; exit 0, quietly."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+    return int(ExitCode.OK)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # inside the try: a reader that went away is seen here, not at exit
+        return code
+    except BrokenPipeError:
+        return _stdout_gone()
     except DflashError as exc:
         print(f"dflash {verb_name(args)}: {exc}", file=sys.stderr)
         return int(exc.exit_code)

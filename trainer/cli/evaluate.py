@@ -6,21 +6,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-
-def _positive(text: str) -> int:
-    v = int(text)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
-    return v
+from trainer.cli.argtypes import count, nonnegative, positive, seconds
 
 
 def _checks(text: str) -> int:
     if text == "all":
         return -1
-    v = int(text)
-    if v < 0:
-        raise argparse.ArgumentTypeError("a count >= 0, or 'all'")
-    return v
+    return count(text)
 
 
 def _template_args(p: argparse.ArgumentParser) -> None:
@@ -44,7 +36,7 @@ def _template_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="enable_thinking passed to the chat template (default: the template's own default)",
     )
-    p.add_argument("--limit", type=_positive, default=None, help="only the first N prompts")
+    p.add_argument("--limit", type=positive, default=None, help="only the first N prompts")
     p.add_argument(
         "--ignore-eos",
         action="store_true",
@@ -144,9 +136,9 @@ def register(sub) -> None:
         type=Path,
         help='JSON lines: {"prompt": ...}, {"messages": [...]} or {"input_ids": [...]}',
     )
-    p.add_argument("--max-new-tokens", type=_positive, default=128)
+    p.add_argument("--max-new-tokens", type=positive, default=128)
     p.add_argument("--out", required=True, type=Path, help="REPORT.json (REPORT.md and REPORT.png beside it)")
-    p.add_argument("--block-size", type=int, default=None, help="default: the drafter's")
+    p.add_argument("--block-size", type=positive, default=None, help="default: the drafter's")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument(
         "--reference",
@@ -169,13 +161,13 @@ def register(sub) -> None:
     )
     p.add_argument(
         "--served-tolerance",
-        type=float,
+        type=nonnegative,
         default=0.1,
         help="--engine both: the largest |tau_vLLM - tau_harness| that passes (default 0.1)",
     )
     p.add_argument(
         "--tree-budget",
-        type=_positive,
+        type=positive,
         action="append",
         metavar="N",
         help="also verify a tree of at most N drafted nodes per round (DDTree: one drafter forward, one "
@@ -183,7 +175,7 @@ def register(sub) -> None:
     )
     p.add_argument(
         "--tree-top-k",
-        type=_positive,
+        type=positive,
         default=None,
         metavar="K",
         help="--tree-budget: children per node among the next depth's top K (default: the budget)",
@@ -235,8 +227,8 @@ def register(sub) -> None:
         help='JSON lines: {"prompt": ...}, {"messages": [...]} or {"input_ids": [...]}',
     )
     p.add_argument("--out", required=True, type=Path, help="dataset folder (datasets.save_to_disk)")
-    p.add_argument("--max-new-tokens", type=_positive, default=256)
-    p.add_argument("--batch-size", type=_positive, default=16)
+    p.add_argument("--max-new-tokens", type=positive, default=256)
+    p.add_argument("--batch-size", type=positive, default=16)
     p.add_argument(
         "--backend",
         choices=("transformers", "vllm"),
@@ -252,11 +244,13 @@ def register(sub) -> None:
         "repeat for one engine per GPU (prompts dealt round robin)",
     )
     p.add_argument(
-        "--concurrency", type=_positive, default=16, help="--server: requests in flight per engine (16)"
+        "--concurrency", type=positive, default=16, help="--server: requests in flight per engine (16)"
     )
-    p.add_argument("--request-timeout", type=float, default=600.0, help="--server: seconds per request (600)")
     p.add_argument(
-        "--retries", type=int, default=4, help="--server: retries per request, exponential backoff (4)"
+        "--request-timeout", type=seconds, default=600.0, help="--server: seconds per request (600)"
+    )
+    p.add_argument(
+        "--retries", type=count, default=4, help="--server: retries per request, exponential backoff (4)"
     )
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument(
@@ -266,17 +260,17 @@ def register(sub) -> None:
         help="vLLM backend: the engine's dtype (default: the model's)",
     )
     p.add_argument(
-        "--tensor-parallel-size", type=_positive, default=1, help="vLLM backend: GPUs per engine (default 1)"
+        "--tensor-parallel-size", type=positive, default=1, help="vLLM backend: GPUs per engine (default 1)"
     )
     p.add_argument(
         "--server-wait",
-        type=float,
+        type=nonnegative,
         default=0.0,
         help="--server: seconds to wait for engines that do not answer yet (still loading; 0)",
     )
     p.add_argument(
         "--max-empty-share",
-        type=float,
+        type=nonnegative,
         default=0.02,
         help="refuse the run when more than this share of the responses are empty (0.02); "
         "the empty ones below it are left out of the dataset",
@@ -296,7 +290,7 @@ def register(sub) -> None:
     )
     p.add_argument("--endpoint-url", default=None, help="--push-to: the S3 endpoint (radosgw, MinIO)")
     p.add_argument(
-        "--push-every", type=float, default=60.0, help="--push-to: seconds between batch pushes (60)"
+        "--push-every", type=seconds, default=60.0, help="--push-to: seconds between batch pushes (60)"
     )
     _template_args(p)
     p.set_defaults(func=cmd_regenerate)

@@ -9,6 +9,7 @@ import json
 import sys
 from pathlib import Path
 
+from trainer.cli.argtypes import above_zero, count, positive
 from trainer.errors import ExitCode
 
 
@@ -68,8 +69,10 @@ def _s3(args) -> int:
 
 
 def _manifest_create(args) -> int:
-    from trainer.manifest import cmd_create
+    from trainer.manifest import ManifestError, cmd_create
 
+    if Path(args.output).is_dir():
+        raise ManifestError(f"-o {args.output} is a folder: name the manifest file to write")
     return cmd_create(args)
 
 
@@ -150,8 +153,8 @@ def register(sub) -> None:
         help="the target's config.json (or its folder); with --config: a copy of target.path's here",
     )
     p.add_argument("--gpu", help="GPU kind: A100-40GB, A100-80GB, H100-80GB, H200, B200, RTX-PRO-6000-96GB")
-    p.add_argument("--gpu-count", type=int, help="GPUs on the node")
-    p.add_argument("--gpu-memory-gib", type=float, help="per-GPU memory for a GPU not in the catalog")
+    p.add_argument("--gpu-count", type=positive, help="GPUs on the node")
+    p.add_argument("--gpu-memory-gib", type=above_zero, help="per-GPU memory for a GPU not in the catalog")
     p.add_argument(
         "--facts",
         metavar="RECON_JSON",
@@ -160,12 +163,14 @@ def register(sub) -> None:
         "(they must agree on GPU model, count, memory, driver and CUDA)",
     )
     p.add_argument(
-        "--nodes", type=int, help="nodes in the run (default: one, or one per --facts); each gets the layout"
+        "--nodes",
+        type=positive,
+        help="nodes in the run (default: one, or one per --facts); each gets the layout",
     )
     r = p.add_argument_group(
         "recipe flags (without --config; each default is its run-config key's)",
     )
-    r.add_argument("--gpus-per-copy", type=int, help="target.gpus_per_copy: force the in-process layout")
+    r.add_argument("--gpus-per-copy", type=positive, help="target.gpus_per_copy: force the in-process layout")
     r.add_argument(
         "--source",
         choices=["auto", "hooked", "vllm"],
@@ -173,14 +178,14 @@ def register(sub) -> None:
         "the other GPUs train) or auto (hooked when it fits, else vllm; the default)",
     )
     r.add_argument("--dtype", help="target weight dtype (default bfloat16)")
-    r.add_argument("--draft-layers", type=int, help="drafter.num_layers")
-    r.add_argument("--aux-layers", type=int, help="len(drafter.aux_layer_ids) (default 5)")
-    r.add_argument("--block-size", type=int, help="drafter.block_size")
-    r.add_argument("--anchors", type=int, help="train.max_anchors")
-    r.add_argument("--tokens-per-batch", type=int, help="train.max_tokens_per_batch")
+    r.add_argument("--draft-layers", type=positive, help="drafter.num_layers")
+    r.add_argument("--aux-layers", type=positive, help="len(drafter.aux_layer_ids) (default 5)")
+    r.add_argument("--block-size", type=positive, help="drafter.block_size")
+    r.add_argument("--anchors", type=positive, help="train.max_anchors")
+    r.add_argument("--tokens-per-batch", type=positive, help="train.max_tokens_per_batch")
     r.add_argument(
         "--loss-chunk-rows",
-        type=int,
+        type=count,
         help="train.loss_chunk_rows: logits and loss over this many rows at a time (0: all at once)",
     )
     r.add_argument(
@@ -196,7 +201,7 @@ def register(sub) -> None:
     )
     r.add_argument(
         "--draft-vocab-size",
-        type=int,
+        type=positive,
         help="drafter.draft_vocab_size: heads and logits over this many tokens (default: the vocabulary)",
     )
     r.add_argument(
@@ -204,9 +209,13 @@ def register(sub) -> None:
         choices=["adamw", "muon"],
         help="train.optimizer: muon keeps one momentum per weight-matrix element instead of two moments",
     )
-    p.add_argument("--samples", type=int, default=902_000, help="training samples (default: the seeds' 902K)")
-    p.add_argument("--mean-tokens", type=float, default=2000, help="mean tokens per sample (default 2000)")
-    p.add_argument("--epochs", type=float, default=1.0)
+    p.add_argument(
+        "--samples", type=positive, default=902_000, help="training samples (default: the seeds' 902K)"
+    )
+    p.add_argument(
+        "--mean-tokens", type=above_zero, default=2000, help="mean tokens per sample (default 2000)"
+    )
+    p.add_argument("--epochs", type=above_zero, default=1.0)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_plan)
 
@@ -231,7 +240,9 @@ def register(sub) -> None:
         q.add_argument(
             "--exclude", action="append", default=[], metavar="GLOB", help="skip paths matching GLOB"
         )
-        q.add_argument("--workers", type=int, default=None, help="hashing threads (default: min(4, CPUs))")
+        q.add_argument(
+            "--workers", type=positive, default=None, help="hashing threads (default: min(4, CPUs))"
+        )
         q.add_argument("--json", action="store_true", help="one JSON object on stdout")
         q.set_defaults(func=impl)
 
@@ -250,13 +261,17 @@ def register(sub) -> None:
     )
     down.add_argument("url", metavar="s3://BUCKET/PREFIX")
     down.add_argument("dir", metavar="DIR")
-    down.add_argument("--bwlimit-kbps", type=int, default=0, help="bandwidth cap in KiB/s (default 0: none)")
+    down.add_argument(
+        "--bwlimit-kbps", type=count, default=0, help="bandwidth cap in KiB/s (default 0: none)"
+    )
     for q, workers in ((up, 8), (down, 4)):
         q.add_argument(
             "--endpoint-url", help="S3 endpoint (default: AWS); credentials: the AWS_* variables or profile"
         )
         q.add_argument("--check", action="store_true", help="say what would move, move nothing")
-        q.add_argument("--workers", type=int, default=workers, help=f"parallel transfers (default {workers})")
+        q.add_argument(
+            "--workers", type=positive, default=workers, help=f"parallel transfers (default {workers})"
+        )
         q.add_argument("--no-progress", action="store_true", help="no byte progress on stderr")
         q.add_argument("--json", action="store_true", help="one JSON report on stdout")
         q.set_defaults(func=_s3)
@@ -275,7 +290,7 @@ def register(sub) -> None:
     )
     d.add_argument("--facts", required=True, help="JSON from `dflash gpu facts` (or a recon.json)")
     d.add_argument(
-        "--driver-branch", type=int, default=580, help="branch installed where there is no driver (580)"
+        "--driver-branch", type=positive, default=580, help="branch installed where there is no driver (580)"
     )
     d.add_argument(
         "--cuda-version", default="", help="pinned CUDA toolkit version, e.g. 12.4 (empty: the driver's CUDA)"

@@ -6,6 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
+from trainer.cli.argtypes import nonnegative, port, positive
 from trainer.errors import ExitCode
 
 
@@ -39,9 +40,10 @@ def cmd_preflight(args) -> int:
 
 
 def cmd_train(args) -> int:
+    cfg = _load(args)  # a bad config is refused before torch is imported
     from trainer.training.loop import train
 
-    return train(_load(args), skip_preflight=args.skip_preflight)
+    return train(cfg, skip_preflight=args.skip_preflight)
 
 
 def cmd_summary(args) -> int:
@@ -52,10 +54,10 @@ def cmd_summary(args) -> int:
 
 
 def cmd_config(args) -> int:
-    from trainer.config import schema_reference
+    from trainer.config_schema import schema_reference
 
     if args.markdown:
-        from trainer.config import schema_markdown
+        from trainer.config_schema import schema_markdown
 
         print(schema_markdown(), end="")
         return 0
@@ -155,11 +157,11 @@ def register(sub) -> None:
     p.add_argument("--config", type=Path, help="run config YAML")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--source", choices=("hooked", "vllm"), help="override target.source")
-    p.add_argument("--samples", type=int, default=8, help="how many samples, in dataset order (8)")
+    p.add_argument("--samples", type=positive, default=8, help="how many samples, in dataset order (8)")
     p.add_argument("--out", type=Path, help="the .safetensors file to write")
     p.add_argument("--compare", nargs=2, type=Path, metavar=("A", "B"), help="compare two capture files")
     p.add_argument(
-        "--tolerance", type=float, help="--compare: exit 1 when a relative difference is above this"
+        "--tolerance", type=nonnegative, help="--compare: exit 1 when a relative difference is above this"
     )
     p.set_defaults(func=cmd_capture)
 
@@ -168,14 +170,14 @@ def register(sub) -> None:
         help="run (or print) the vLLM server that streams a run's hidden states (target.source: vllm)",
     )
     _add_config_args(p)
-    p.add_argument("--port", type=int, default=8100, help="port to listen on (8100)")
+    p.add_argument("--port", type=port, default=8100, help="port to listen on (8100)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1)")
     p.add_argument("--print-command", action="store_true", help="print the command, do not run it")
     p.set_defaults(func=cmd_serve_target)
 
     p = sub.add_parser("demo", help="the embedded default: a short run on a small real model on this CPU")
     p.add_argument("--out", type=Path, default=Path("runs/demo"))
-    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--steps", type=positive, default=40)
     p.add_argument("--tiny", action="store_true", help="a random tiny target instead of SmolLM2-135M")
     p.add_argument(
         "--prepare-only",
@@ -188,5 +190,5 @@ def register(sub) -> None:
         help="write the target and prompts.jsonl (questions on stdlib docstrings), print their paths as "
         "JSON, generate nothing (regenerate.yml -l local)",
     )
-    p.add_argument("--samples", type=int, default=48, help="--prepare-prompts: how many prompts (48)")
+    p.add_argument("--samples", type=positive, default=48, help="--prepare-prompts: how many prompts (48)")
     p.set_defaults(func=cmd_demo)

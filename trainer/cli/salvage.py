@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from trainer.cli.argtypes import chunk_mib, count, positive, seconds
 from trainer.errors import ExitCode
 
 
@@ -124,6 +125,7 @@ def cmd_collect(args) -> int:
 def cmd_push(args) -> int:
     from trainer.s3.push import push
     from trainer.salvage import RECORDS
+    from trainer.salvage.verify import repairs
 
     rep = push(
         args.set,
@@ -136,6 +138,7 @@ def cmd_push(args) -> int:
         chunk_bytes=args.chunk_mib * 2**20,
         threshold_bytes=args.chunk_mib * 2**20,
         progress=not args.no_progress,
+        force=repairs(args.set, args.s3),  # what the last verify of this prefix found wrong: sent again
     )
     _save(args.set, "push", rep)
     lines = [
@@ -144,8 +147,12 @@ def cmd_push(args) -> int:
             f"{rep['files']} files, {rep['bytes']:,} bytes; {rep['to_upload']} to upload "
             f"({rep['to_upload_bytes']:,} bytes), "
             f"{rep['skipped']} already there with equal sha256, {len(rep['referenced'])} referenced elsewhere"
-        )
+        ),
+        f"  bucket versioning: {rep['bucket_versioning']}"
+        + ("" if rep["bucket_versioning"] == "enabled" else " (an overwritten object's bytes are gone)"),
     ]
+    if rep["resent"]:
+        lines.append(f"  {len(rep['resent'])} object(s) the last verify found wrong: sent again")
     if args.check:
         for p in rep["plan"]:
             if p["action"] != "skip":
@@ -182,6 +189,17 @@ def cmd_verify(args) -> int:
 
         raise SalvageError("give either --s3 s3://BUCKET/PREFIX or a local salvage set folder")
     if args.s3:
+        local = None
+        if args.out is not None:  # the collected set: what must be in S3
+            from trainer.manifest import MANIFEST_NAME, load_manifest
+            from trainer.salvage import SalvageError
+
+            if not (Path(args.out) / MANIFEST_NAME).is_file():
+                raise SalvageError(
+                    f"--out {args.out}: no {MANIFEST_NAME} there, so there is no collected set to compare "
+                    f"S3 with: run `dflash salvage collect --out {args.out}` first"
+                )
+            local = load_manifest(Path(args.out) / MANIFEST_NAME)
         rep = verify_s3(
             args.s3,
             args.endpoint_url,
@@ -191,6 +209,7 @@ def cmd_verify(args) -> int:
             workers=args.workers,
             data_gate=args.data_gate,
             load_checkpoints=not args.no_load_checkpoints,
+            local_manifest=local,
         )
     else:
         rep = verify_local(
@@ -288,7 +307,7 @@ def register(sub) -> None:
         "stop", help="SIGTERM the trainer (via systemd/supervisor/torchrun), wait for its final checkpoint"
     )
     p.add_argument("--run-dir", type=Path, required=True)
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for run_end (default 600)")
+    p.add_argument("--timeout", type=seconds, default=600.0, help="seconds to wait for run_end (default 600)")
     p.add_argument(
         "--stop-unknown", action="store_true", help="also SIGTERM servers and unknown work afterwards"
     )
@@ -304,7 +323,7 @@ def register(sub) -> None:
     p.add_argument("--out", type=Path, required=True, help="the salvage set folder")
     p.add_argument("--config", type=Path, help="the run config file as started (default: RUN_DIR/run.yaml)")
     p.add_argument(
-        "--keep", type=int, default=2, help="newest K checkpoints (default 2) + the best by eval tau"
+        "--keep", type=count, default=2, help="newest K checkpoints (default 2) + the best by eval tau"
     )
     p.add_argument("--include", type=Path, action="append", default=[], help="scripts/patches/configs to add")
     p.add_argument("--recon", type=Path, action="append", default=[], help="recon report(s) of this node")
@@ -331,8 +350,10 @@ def register(sub) -> None:
         metavar="s3://BUCKET/PREFIX",
         help="another salvage set in S3: files with equal sha256 there are referenced, not re-sent",
     )
-    p.add_argument("--workers", type=int, default=8, help="parallel part uploads (default 8)")
-    p.add_argument("--chunk-mib", type=int, default=16, help="multipart part size and threshold (default 16)")
+    p.add_argument("--workers", type=positive, default=8, help="parallel part uploads (default 8)")
+    p.add_argument(
+        "--chunk-mib", type=chunk_mib, default=16, help="multipart part size and threshold (default 16)"
+    )
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--check", action="store_true", help="list what would be uploaded; send nothing")
     p.add_argument("--json", action="store_true")
@@ -355,8 +376,13 @@ def register(sub) -> None:
     p.add_argument(
         "--workdir", type=Path, help="keep the read-back copies here (default: a temp folder, removed)"
     )
-    p.add_argument("--workers", type=int, default=8)
-    p.add_argument("--out", type=Path, help="salvage set: record the report in SET/.salvage/")
+    p.add_argument("--workers", type=positive, default=8)
+    p.add_argument(
+        "--out",
+        type=Path,
+        help="the collected salvage set: S3 must hold exactly its MANIFEST.json's files (with --s3); "
+        "the report is recorded in SET/.salvage/",
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_verify)
 
@@ -374,12 +400,12 @@ def register(sub) -> None:
     p.add_argument("--out", type=Path, required=True)
     s3_args(p)
     p.add_argument("--config", type=Path)
-    p.add_argument("--keep", type=int, default=2)
+    p.add_argument("--keep", type=count, default=2)
     p.add_argument("--include", type=Path, action="append", default=[])
     p.add_argument("--recon", type=Path, action="append", default=[])
     p.add_argument("--reference", action="append", default=[])
     p.add_argument("--no-data", action="store_true")
-    p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--timeout", type=seconds, default=600.0)
     p.add_argument("--stop-unknown", action="store_true")
     p.add_argument("--target", type=Path)
     p.add_argument("--data-gate", choices=("fail", "warn"), default="fail")

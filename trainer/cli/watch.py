@@ -7,19 +7,27 @@ import argparse
 import os
 from pathlib import Path
 
+from trainer.cli.argtypes import above_zero, nonnegative, port, seconds
+
 
 def _alert_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--stall-factor",
-        type=float,
+        type=above_zero,
         default=5.0,
         help="alert when no step came for this many median gaps between steps (default 5)",
     )
     p.add_argument(
-        "--stall-min-s", type=float, default=60.0, help="... and for at least this many seconds (default 60)"
+        "--stall-min-s",
+        type=nonnegative,
+        default=60.0,
+        help="... and for at least this many seconds (default 60)",
     )
     p.add_argument(
-        "--disk-min-gb", type=float, default=10.0, help="alert below this much free disk, GiB (default 10)"
+        "--disk-min-gb",
+        type=nonnegative,
+        default=10.0,
+        help="alert below this much free disk, GiB (default 10)",
     )
 
 
@@ -33,6 +41,15 @@ def _thresholds(args):
     )
 
 
+def _run_dir(path: Path) -> Path:
+    """A run's folder or a folder of runs; one that does not exist yet is watched until it does."""
+    from trainer.monitor.server import MonitorError
+
+    if path.exists() and not path.is_dir():
+        raise MonitorError(f"--run-dir {path} is a file: pass a run's out_dir, or a folder of runs")
+    return path
+
+
 def cmd_monitor(args) -> int:
     from trainer.monitor.server import MonitorError, serve
 
@@ -40,13 +57,13 @@ def cmd_monitor(args) -> int:
     if args.token_file is not None:
         try:
             token = args.token_file.read_text().strip()
-        except OSError as exc:
+        except (OSError, UnicodeDecodeError) as exc:
             raise MonitorError(f"cannot read --token-file: {exc}") from None
     elif os.environ.get("DFLASH_MONITOR_TOKEN"):
         token = os.environ["DFLASH_MONITOR_TOKEN"].strip()
     try:
         serve(
-            args.run_dir,
+            _run_dir(args.run_dir),
             host=args.host,
             port=args.port,
             token=token,
@@ -62,7 +79,7 @@ def cmd_status(args) -> int:
     from trainer.monitor.status import status
 
     return status(
-        args.run_dir,
+        _run_dir(args.run_dir),
         run=args.run,
         watch=args.watch,
         interval=args.interval,
@@ -82,7 +99,7 @@ def register(sub) -> None:
     p.add_argument(
         "--host", default="127.0.0.1", help="bind address (default 127.0.0.1: reach it through ssh -L)"
     )
-    p.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 picks a free one)")
+    p.add_argument("--port", type=port, default=8080, help="port (default 8080; 0 picks a free one)")
     p.add_argument(
         "--allow-remote",
         action="store_true",
@@ -96,7 +113,7 @@ def register(sub) -> None:
     p.add_argument("--run-dir", required=True, type=Path, help="a run's out_dir, or a folder of runs")
     p.add_argument("--run", help="which run under --run-dir (default: the one with the newest event)")
     p.add_argument("--watch", action="store_true", help="redraw every --interval seconds until Ctrl-C")
-    p.add_argument("--interval", type=float, default=2.0)
+    p.add_argument("--interval", type=seconds, default=2.0)
     p.add_argument("--json", action="store_true", help="the same facts as /api/status, as JSON")
     _alert_args(p)
     p.set_defaults(func=cmd_status)

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import tempfile
@@ -68,6 +69,29 @@ class HookedTarget:
         feats = torch.cat([self._store[k] for k in self.aux_ids], dim=-1).float()
         self._store.clear()
         return out.logits[0].argmax(-1), feats, out.past_key_values
+
+    def close(self) -> None:
+        """Let the weights go: every hook on the model is removed (each closure refers back to this
+        object or to a `ReferenceTarget` holding the model: cycles that `del` alone never frees) and
+        the model is dropped."""
+        model = self.__dict__.pop("model", None)
+        if model is not None:
+            for module in model.modules():
+                module._forward_hooks.clear()
+                module._forward_pre_hooks.clear()
+        self.base = None
+        self._store.clear()
+
+
+def release(target: HookedTarget | None, device: torch.device) -> None:
+    """Free `target`'s weights before something else needs the device (`--engine both`: vLLM starts
+    only with ~0.9 of the GPU free, vllm/v1/worker/utils.py): close it, collect the cycles, and return
+    the cached blocks to the driver on CUDA."""
+    if target is not None:
+        target.close()
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def crop_cache(cache, length: int) -> None:

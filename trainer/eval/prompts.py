@@ -99,7 +99,10 @@ def read_prompt_file(path: Path, limit: int | None = None) -> list[PromptLine]:
         path = Path(path)
         if not path.is_file():
             raise PromptError(f"prompt file {path} does not exist (named sets: {', '.join(PROMPT_SETS)})")
-        raws = path.read_text().splitlines()
+        try:
+            raws = path.read_text(encoding="utf-8").splitlines()
+        except UnicodeDecodeError as exc:
+            raise PromptError(f"{path}: not UTF-8 text (byte {exc.start}): save the file as UTF-8") from None
     out: list[PromptLine] = []
     for lineno, raw in enumerate(raws, 1):
         if not raw.strip():

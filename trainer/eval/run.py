@@ -428,6 +428,7 @@ def run_eval(opts: EvalOptions) -> int:
         HookedTarget,
         ModelError,
         aux_ids_of,
+        release,
         resolve_drafter_dir,
         speculators_folder,
     )
@@ -477,6 +478,7 @@ def run_eval(opts: EvalOptions) -> int:
         for folder, label in zip(folders, labels):
             aux = aux_ids_of(folder)
             if target is None or target.aux_ids != aux:
+                release(target, device)  # one target on the device at a time
                 target = HookedTarget(opts.target, aux, device)
             reports.append(
                 evaluate_one(
@@ -486,9 +488,7 @@ def run_eval(opts: EvalOptions) -> int:
     if opts.engine in ("vllm", "both"):
         from trainer.eval.served import served_acceptance
 
-        del target  # the engine takes the memory the harness's target held
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        release(target, device)  # the engine takes the memory the harness's target held
         for i, (folder, label) in enumerate(zip(folders, labels)):
             block = opts.block_size or int(json.loads((folder / "config.json").read_text())["block_size"])
             served = served_acceptance(

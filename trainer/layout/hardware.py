@@ -62,7 +62,7 @@ def uncatalogued_gpu(name: str, memory_gib: float) -> dict[str, Any]:
 def _read_facts(path: Path) -> dict[str, Any]:
     try:
         return json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError) as exc:  # missing, not JSON, not UTF-8
         raise PlanError(f"recon facts {path}: {exc}") from None
 
 

@@ -22,13 +22,33 @@ SECRET_WORDS = {
     "signature",
 }
 SECRET_PAIRS = ("api_key", "access_key", "private_key", "secret_key", "session_key")
-SECRET_TEXT = re.compile(
-    r"(AKIA[0-9A-Z]{16}"  # AWS access key id
+TOKEN_SHAPES = re.compile(
+    r"(?:AKIA|ASIA)[0-9A-Z]{16}"  # AWS access key ids (ASIA: temporary, from STS)
     r"|hf_[A-Za-z0-9]{20,}"  # Hugging Face token
     r"|gh[pousr]_[A-Za-z0-9]{20,}"  # GitHub tokens
     r"|sk-[A-Za-z0-9_-]{20,}"  # API keys of the OpenAI kind
-    r"|(?i:bearer)\s+[A-Za-z0-9._~+/=-]{8,}"
-    r"|(?i:(?:secret|token|password|passwd|api_key|access_key)[\"']?\s*[=:]\s*)[^\s,;\"']+)"
+)
+SECRET_NAME = r"(?:secret|token|password|passwd|passphrase|api_key|apikey|access_key|secret_key|private_key)"
+# each match keeps its group `a` (what names the secret) and masks its group `s` (the secret)
+SECRET_RULES = (
+    # https://user:pass@host: the password of a URL's user info
+    re.compile(r"(?i)\b(?P<a>[a-z][a-z0-9+.-]*://[^/\s:@]+:)(?P<s>[^/\s@]+)(?=@)"),
+    # --token X, --hf-token=X, --password X, --secret-access-key X (not --max-new-tokens 5)
+    re.compile(
+        r"(?i)(?P<a>--(?:[a-z0-9]+-)*(?:token|password|passwd|passphrase|secret|api-key|apikey|access-key)"
+        r"(?:-[a-z0-9]+)*(?:=|\s+))(?P<s>[^\s\"']+)"
+    ),
+    # Authorization: Basic abc=, Authorization: Bearer x, "authorization": "token x"
+    re.compile(
+        r"(?i)(?P<a>authorization[\"']?\s*[=:]\s*[\"']?(?:(?:basic|bearer|digest|token)\s+)?)"
+        r"(?P<s>[^\s,;\"']+)"
+    ),
+    re.compile(r"(?i)(?P<a>\bbearer\s+)(?P<s>[A-Za-z0-9._~+/=-]{8,})"),
+    # password=x, token: x, "secret": "x y", 'hf_token': 'x' (JSON, YAML, env, Python reprs)
+    re.compile(
+        r"(?i)(?P<a>" + SECRET_NAME + r"[\"']?\s*[=:]\s*)"
+        r"(?P<s>\"(?:[^\"\\]|\\.)*\"|'[^']*'|[^\s,;\"'}\]]+)"
+    ),
 )
 
 
@@ -58,10 +78,11 @@ def secret_key(key: Any) -> bool:
     return bool(SECRET_WORDS & set(re.split(r"[^a-z0-9]+", low))) or any(p in low for p in SECRET_PAIRS)
 
 
-# Every SECRET_TEXT match contains one of these (lower-cased): a plain substring test first keeps the
-# regex off the ordinary log line, so serving a long log tail stays cheap.
+# Every secret rule's match contains one of these (lower-cased): a plain substring test first keeps the
+# regexes off the ordinary log line, so serving a long log tail stays cheap.
 TRIGGERS = (
     "akia",
+    "asia",
     "hf_",
     "ghp_",
     "gho_",
@@ -70,24 +91,31 @@ TRIGGERS = (
     "ghr_",
     "sk-",
     "bearer",
+    "authorization",
     "secret",
     "token",
     "passw",
+    "passphrase",
     "api_key",
+    "apikey",
+    "api-key",
     "access_key",
+    "access-key",
+    "private_key",
+    "://",
 )
+
+
+def _mask(m: re.Match) -> str:
+    secret = m.group("s")
+    quote = secret[0] if secret[:1] in ("'", '"') and len(secret) > 1 and secret[-1] == secret[0] else ""
+    return m.group("a") + quote + MASK + quote
 
 
 def redact_text(text: str) -> str:
     low = text.lower()
-    if not any(t in low for t in TRIGGERS) or not SECRET_TEXT.search(text):
+    if not any(t in low for t in TRIGGERS):
         return text
-
-    def mask(m: re.Match) -> str:
-        s = m.group(0)
-        for sep in ("=", ":"):
-            if sep in s and not s.lower().startswith("bearer"):
-                return s[: s.index(sep) + 1] + MASK
-        return MASK
-
-    return SECRET_TEXT.sub(mask, text)
+    for rule in SECRET_RULES:
+        text = rule.sub(_mask, text)
+    return TOKEN_SHAPES.sub(MASK, text)

@@ -7,7 +7,6 @@ newest lines in a bounded ring). `Hub.refresh()` is called by one poller thread;
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import threading
@@ -17,6 +16,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+from trainer.events import parse_event
 from trainer.monitor import alerts as alerts_mod
 from trainer.monitor.redact import redact, redact_text
 from trainer.monitor.state import RunState, num
@@ -54,14 +54,16 @@ class RunMonitor:
                     self.offsets = array("q")
                     changed = True
                 for off, raw in zip(chunk.offsets, chunk.lines):
-                    try:
-                        ev = json.loads(raw)
-                    except ValueError:
-                        continue  # a torn line after a crash: the event contract skips it
-                    if isinstance(ev, dict) and "event" in ev:
-                        self.offsets.append(off)
-                        self.state.feed(ev)
-                        changed = True
+                    if not raw.strip():
+                        continue
+                    # a torn line after a crash, a line of the wrong shape: skipped with a warning
+                    ev = parse_event(raw, str(self.path / EVENTS), off)
+                    if ev is None:
+                        self.state.skipped += 1
+                        continue
+                    self.offsets.append(off)
+                    self.state.feed(ev)
+                    changed = True
                 if not chunk.lines or not self.events.pending:
                     break
             chunk = self.log.poll()
@@ -92,11 +94,8 @@ class RunMonitor:
                     if (os.fstat(fh.fileno()).st_dev, os.fstat(fh.fileno()).st_ino) == inode:
                         fh.seek(start_off)
                         for raw in fh.read(end_off - start_off).splitlines():
-                            try:
-                                ev = json.loads(raw)
-                            except ValueError:
-                                continue
-                            if isinstance(ev, dict) and "event" in ev:
+                            ev = parse_event(raw) if raw.strip() else None  # warned of by refresh
+                            if ev is not None:
                                 out.append(redact(ev))
             except FileNotFoundError:
                 pass
@@ -131,6 +130,7 @@ class RunMonitor:
                 "finished": st.finished,
                 "exists": self.path.is_dir(),
                 "events": st.events,
+                "skipped_lines": st.skipped,
                 "step": st.step,
                 "total_steps": st.total_steps,
                 "progress": (st.step / st.total_steps) if st.total_steps else None,

@@ -3,6 +3,7 @@ user without a tunnel. Same state, alerts and machine facts as the page (trainer
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -28,8 +29,8 @@ STATUS_STYLE = {
 
 
 def _dur(s: float | None) -> str:
-    if s is None:
-        return "-"
+    if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s):
+        return "-"  # none yet, or "nan" from the stream
     s = int(max(0, s))
     d, h, m, sec = s // 86400, s % 86400 // 3600, s % 3600 // 60, s % 60
     return f"{d}d {h}h{m:02d}m" if d else f"{h}h{m:02d}m" if h else f"{m}m{sec:02d}s" if m else f"{sec}s"

@@ -6,14 +6,21 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from trainer.errors import DflashError
 from trainer.events import load_events
 from trainer.monitor.state import state_from_events
 
 
+class NoEventsError(DflashError, FileNotFoundError):
+    """No run (or no event yet) where `--run-dir` points: a refusal (exit 2), not a traceback."""
+
+
 def summarize(run_dir: Path) -> dict[str, Any]:
+    if not Path(run_dir).is_dir():
+        raise NoEventsError(f"{run_dir} is not a folder: pass a run's out_dir as --run-dir")
     events = load_events(Path(run_dir) / "events.jsonl")
     if not events:
-        raise FileNotFoundError(f"{run_dir}/events.jsonl is missing or empty: has the run started?")
+        raise NoEventsError(f"{run_dir}/events.jsonl is missing or empty: has the run started?")
     return {"run_dir": str(run_dir), **state_from_events(events).summary()}
 
 

@@ -7,8 +7,13 @@ What takes room there:
   up to 10 chunks of 24 MiB; vLLM 0.32 refuses to start below what it needs, "Insufficient space in
   /dev/shm": 160 MiB measured on a CPU engine). They cannot move elsewhere.
 - The hidden-state files the server writes and the trainer reads, when `target.vllm.storage_dir` is left
-  to its default (/dev/shm when it is writable): up to `prefetch_batches` batches of the tapped layers.
-  These can go to disk instead (`target.vllm.storage_dir`).
+  to its default (/dev/shm when it is writable): every trainer rank of the node has up to
+  `prefetch_batches` + 1 batches requested (those ahead and the one being read), of which at most
+  `REQUEST_THREADS` documents are written and not yet read at once (each request thread asks, reads and
+  deletes in turn), at every tapped layer in the server's dtype: one 4,096-token batch of a 27B-shaped
+  target (hidden 5120, 5 aux layers + the last) is 240 MiB in bf16. These can go to disk instead
+  (`target.vllm.storage_dir`). A write that fails anyway (vLLM's connector only logs it) is requested
+  again by the reader, then refused naming the folder's free space (trainer/sources/vllm.py).
 
 Without this gate such a node starts the trainer, the server dies on its first allocation, and the
 service manager restarts the pair forever. Light side: stdlib only.
@@ -16,6 +21,7 @@ service manager restarts the pair forever. Light side: stdlib only.
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -30,15 +36,26 @@ SHM = Path("/dev/shm")
 VLLM_QUEUES_BYTES = 10 * 24 * 2**20  # MessageQueue's default max_chunks x max_chunk_bytes (vLLM 0.32)
 
 
-def spool_bytes(cfg: RunConfig, target: TargetInfo, cpu: bool) -> int:
-    """The hidden-state files of `prefetch_batches` batches: every token of a batch, at each tapped layer
-    (the aux ids and the verifier's last state), in the server's dtype."""
+def spool_tokens(cfg: RunConfig) -> int:
+    """The most tokens one trainer rank has in hidden-state files at once: `prefetch_batches` + 1 batches
+    requested, of which at most REQUEST_THREADS documents written and not yet read."""
+    from trainer.sources.vllm_server import REQUEST_THREADS, longest_document
+
+    batches = (cfg.target.vllm.prefetch_batches + 1) * cfg.train.max_tokens_per_batch
+    return min(batches, REQUEST_THREADS * longest_document(cfg))
+
+
+def spool_bytes(cfg: RunConfig, target: TargetInfo, cpu: bool, local_ranks: int | None = None) -> int:
+    """The hidden-state files in the folder at once: `spool_tokens` per trainer rank of this node
+    (`local_ranks`, default $LOCAL_WORLD_SIZE, 1 outside torchrun), at each tapped layer (the aux ids
+    and the verifier's last state), in the server's dtype."""
+    from trainer.sources.vllm_server import server_layer_ids
     from trainer.sources.vllm_target import server_dtype
 
     width = 4 if server_dtype(cfg, cpu) == "float32" else 2
-    layers = len(cfg.drafter.aux_ids) + 1
-    per_batch = cfg.train.max_tokens_per_batch * layers * target.hidden * width
-    return cfg.target.vllm.prefetch_batches * per_batch
+    layers = len(server_layer_ids(cfg.drafter.aux_ids, target.num_layers))
+    ranks = local_ranks if local_ranks is not None else int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    return max(1, ranks) * spool_tokens(cfg) * layers * target.hidden * width
 
 
 def shm_gate(
@@ -70,9 +87,7 @@ def shm_gate(
         return
     parts = f"vLLM's engine queues {VLLM_QUEUES_BYTES / MIB:.0f} MiB"
     if spool:
-        parts += (
-            f" + {cfg.target.vllm.prefetch_batches} prefetched batches of hidden states {spool / MIB:.0f} MiB"
-        )
+        parts += f" + hidden-state files in flight {spool / MIB:.0f} MiB ({spool_tokens(cfg)} tokens a rank)"
     fix = (
         "start the node's container with a larger /dev/shm (docker/podman run --shm-size=2g, or --ipc=host; "
         "on a rented node: the provider's shared-memory setting)"

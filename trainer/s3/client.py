@@ -174,6 +174,39 @@ def get_json(client, bucket: str, key: str) -> dict[str, Any] | None:
     return json.loads(body)
 
 
+def get_manifest(client, bucket: str, key: str) -> dict[str, Any] | None:
+    """The manifest stored at `key` (None when there is none), checked like a local one before any of
+    it is used: an object that is not JSON, not a manifest, or names a path outside its set is refused
+    (S3Error, exit 2) -- whoever can write to the bucket must not be able to steer a reader's writes."""
+    from trainer.manifest import ManifestError, check_manifest
+
+    label = f"s3://{bucket}/{key}"
+    try:
+        raw = get_json(client, bucket, key)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise S3Error(f"manifest {label} is not valid JSON: {exc}") from None
+    if raw is None:
+        return None
+    try:
+        return check_manifest(raw, label)
+    except ManifestError as exc:
+        raise S3Error(str(exc)) from None
+
+
+def bucket_versioning(client, bucket: str) -> str:
+    """enabled | suspended | off | unknown (...): whether the bucket keeps an overwritten object's old
+    bytes (GetBucketVersioning)."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    try:
+        status = client.get_bucket_versioning(Bucket=bucket).get("Status")
+    except ClientError as exc:
+        return f"unknown ({exc.response.get('Error', {}).get('Code', '?')})"
+    except BotoCoreError as exc:
+        return f"unknown ({type(exc).__name__})"
+    return {"Enabled": "enabled", "Suspended": "suspended"}.get(status or "", "off")
+
+
 # ---------------------------------------------------------------- progress
 
 

@@ -173,7 +173,10 @@ def pull(
         raise S3Error(f"destination {dest} exists and is not a folder")
     client = client or s3lib.make_client(endpoint_url, max_pool=max(16, workers * 2))
     s3lib.check_bucket(client, loc)
-    raw = s3lib.get_json(client, loc.bucket, loc.key(MANIFEST_NAME))
+    try:
+        raw = s3lib.get_json(client, loc.bucket, loc.key(MANIFEST_NAME))
+    except ValueError as exc:  # not JSON, not UTF-8
+        raise S3Error(f"manifest {loc.url(MANIFEST_NAME)} is not valid JSON: {exc}") from None
     if raw is None:
         raise S3Error(
             f"{loc.url(MANIFEST_NAME)} does not exist, so nothing there can be proven: upload the folder "

