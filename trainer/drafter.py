@@ -19,8 +19,30 @@ def resolve_attn_impl(cfg: RunConfig, device: torch.device) -> str:
 
 
 def loss_implementation(device: torch.device) -> str:
-    """speculators' fused loss needs Triton (CUDA); the eager one runs anywhere."""
-    return "fused" if device.type == "cuda" else "eager"
+    """speculators' fused loss needs Triton (CUDA); the eager one runs anywhere. The fused one is made
+    ready for the drafter's compiled forward first (`separate_fused_kernel_configs`)."""
+    if device.type != "cuda":
+        return "eager"
+    separate_fused_kernel_configs()
+    return "fused"
+
+
+def separate_fused_kernel_configs() -> None:
+    """speculators 0.9.0 decorates the fused loss's forward and backward Triton kernels with one
+    `triton.autotune` object, so both Autotuners hold the same `configs` list. The drafter's forward is
+    compiled on CUDA and calls the loss inside it; dynamo tracks that list once and refuses it the
+    second time ("ListVariable(length=21) is already tracked for mutation"): every `dflash train` with
+    the default (fused) loss died in its first step (found by bench/gpu on an H200, torch 2.11; torch
+    2.13's dynamo raises the same). Each kernel gets a copy of the same configs: nothing else changes."""
+    from speculators.losses import fused
+
+    seen: set[int] = set()
+    for kernel in (fused.loss_forward_kernel, fused.loss_backward_kernel):
+        configs = getattr(kernel, "configs", None)
+        if isinstance(configs, list):
+            if id(configs) in seen:
+                kernel.configs = list(configs)
+            seen.add(id(kernel.configs))
 
 
 def draft_layer_config(cfg: RunConfig):

@@ -202,3 +202,27 @@ def test_the_reported_peak_is_the_steps_not_the_loads(monkeypatch):
     )
     m = t.train_step()
     assert m["gpu_peak_gb"] == 28.0 and m["gpu_allocated_gb"] == 20.0, m
+
+
+# ---------------------------------------------------------------- found by bench/gpu on an H200
+def test_the_fused_losss_kernels_get_configs_lists_of_their_own(monkeypatch):
+    """speculators' fused loss: one `triton.autotune` object decorates both kernels, so they share one
+    `configs` list, and dynamo refuses the second kernel inside the drafter's compiled forward ("already
+    tracked for mutation"): the GPU check's hooked, zero1 and fsdp2 stages died at step 1. The CUDA
+    choice of loss gives each kernel a list of its own with the same configs; the CPU one touches
+    nothing (Triton is imported only on CUDA)."""
+    import triton  # noqa: F401  (pinned in the venv: speculators' fused loss is Triton)
+    from speculators.losses import fused
+
+    from trainer.drafter import loss_implementation
+
+    shared = list(fused.loss_forward_kernel.configs)
+    monkeypatch.setattr(fused.loss_backward_kernel, "configs", fused.loss_forward_kernel.configs)
+    assert loss_implementation(torch.device("cpu")) == "eager"
+    assert fused.loss_forward_kernel.configs is fused.loss_backward_kernel.configs  # upstream's state
+
+    assert loss_implementation(torch.device("cuda")) == "fused"
+    assert fused.loss_forward_kernel.configs is not fused.loss_backward_kernel.configs
+    assert fused.loss_forward_kernel.configs == shared == fused.loss_backward_kernel.configs
+    assert loss_implementation(torch.device("cuda")) == "fused"  # a second run keeps them apart
+    assert fused.loss_forward_kernel.configs is not fused.loss_backward_kernel.configs
