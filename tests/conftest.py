@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import subprocess
 import time
 from pathlib import Path
 
@@ -138,6 +140,23 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@contextlib.contextmanager
+def real_tmpfs(path: Path, size: str):
+    """A real tmpfs of `size` (mount's notation: 1m, 64m) at `path` for the block: a small or full disk,
+    real ENOSPC. The suite runs as root (CI and scripts/test): a mount that fails fails the test, saying
+    why, never skips it."""
+    path.mkdir(parents=True, exist_ok=True)
+    mount = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True, text=True
+    )
+    if mount.returncode != 0:
+        pytest.fail(f"cannot mount a {size} tmpfs at {path} (the suite runs as root): {mount.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "--lazy", str(path)], check=False)
 
 
 def wait_for(pred, timeout: float = 180.0, every: float = 0.05) -> bool:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import wait_for
+from tests.conftest import real_tmpfs, wait_for
 from tests.s3servers import client, s3_env
 
 DFLASH = [sys.executable, "-m", "trainer.cli"]
@@ -192,17 +192,7 @@ def test_a_destination_without_room_is_refused_before_downloading(tmp_path, moto
     src.mkdir()
     (src / "a.bin").write_bytes(os.urandom(6 * 2**20))
     s3("push", src, "s3://salvage/big", "--endpoint-url", moto.endpoint_url, "--no-progress")
-    small = tmp_path / "small"
-    small.mkdir()
-    # a real 4 MiB filesystem (tmpfs; root) for a 6 MiB set
-    mount = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(small)], capture_output=True, text=True
-    )
-    if mount.returncode != 0:
-        pytest.fail(f"cannot mount a small tmpfs for this check (needs root): {mount.stderr}")
-    try:
+    with real_tmpfs(tmp_path / "small", "4m") as small:  # a real 4 MiB filesystem for a 6 MiB set
         res = s3("pull", "s3://salvage/big", small / "d", "--endpoint-url", moto.endpoint_url, check_rc=2)
         assert "to download but only" in res.stderr and "nothing was downloaded" in res.stderr
         assert list(small.iterdir()) == []
-    finally:
-        subprocess.run(["umount", str(small)], check=False)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import subprocess
 import uuid
@@ -23,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import real_tmpfs
 from tests.integration.test_salvage import (  # noqa: F401 - finished_run is a fixture
     BASE_ENV,
     DFLASH,
@@ -231,20 +231,9 @@ def test_collect_records_symlinks_and_never_follows_them(tmp_path, finished_run)
 def test_a_full_disk_during_collect_is_a_clear_refusal(tmp_path, finished_run):  # noqa: F811
     """A 1 MiB tmpfs as the set's disk (real ENOSPC). Before: a traceback (exit 1, which a supervisor
     restarts) and a `.salvage-tmp` file left in the set."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root (the suite's hosts run as root)")
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    mount = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True
-    )
-    if mount.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mount.stderr.strip()}")
-    try:
+    with real_tmpfs(tmp_path / "small", "1m") as mnt:
         res = dflash("collect", "--run-dir", finished_run, "--out", mnt / "set", "--copy", check_rc=2)
         assert "disk is full" in res.stderr and "No space left on device" in res.stderr, res.stderr
         assert "Traceback" not in res.stderr + res.stdout
         assert not [p for p in mnt.rglob("*") if p.name.endswith((".salvage-tmp", ".tmp"))]
         assert not (mnt / "set" / "MANIFEST.json").exists()
-    finally:
-        subprocess.run(["umount", str(mnt)], check=False)

@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 import shutil
 import struct
-import subprocess
 from pathlib import Path
 
 import datasets
 import pytest
 
+from tests.conftest import real_tmpfs
 from trainer.config import load_config
 from trainer.preflight import PreflightReport, run_preflight
 from trainer.preflight.drafter import suggest_aux_ids
@@ -784,11 +784,8 @@ def test_the_context_limit_is_derived_as_vllm_derives_it(conf, tokens, why):
 def small_shm(tmp_path):
     """A real 64 MiB tmpfs: the /dev/shm a container runtime gives by default (Docker's and podman's
     --shm-size), which the rented-node journey met."""
-    shm = tmp_path / "shm"
-    shm.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(shm)], check=True)
-    yield shm
-    subprocess.run(["umount", str(shm)], check=True)
+    with real_tmpfs(tmp_path / "shm", "64m") as shm:
+        yield shm
 
 
 def test_an_owned_vllm_server_on_a_64_mib_dev_shm_is_refused_before_it_starts(make_config, small_shm):
