@@ -1,4 +1,5 @@
-"""The verbs of a run: `dflash preflight`, `train`, `config`, `summary` and `demo` (the embedded default)."""
+"""The verbs of a run: `dflash init` (a run config for a target), `preflight`, `train`, `config`, `summary`
+and `demo` (the embedded default)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,22 @@ def _load(args):
     from trainer.config import load_config
 
     return load_config(args.config, args.overrides)
+
+
+def cmd_init(args) -> int:
+    from trainer.run_init import init_run
+
+    result = init_run(
+        args.target,
+        args.data,
+        args.out,
+        out_dir=args.out_dir,
+        mask_token_id=args.mask_token_id,
+        aux_count=args.aux_count,
+        force=args.force,
+    )
+    print(result.render())
+    return ExitCode.OK
 
 
 def cmd_preflight(args) -> int:
@@ -127,6 +144,26 @@ def cmd_demo(args) -> int:
 
 
 def register(sub) -> None:
+    p = sub.add_parser(
+        "init", help="write a run config for a causal LM from its folder (config.json, tokenizer)"
+    )
+    p.add_argument(
+        "--target",
+        required=True,
+        help="the target's local model folder (a Hub repo id only once data_sync has copied it)",
+    )
+    p.add_argument("--data", required=True, type=Path, help="the dataset folder the run trains on")
+    p.add_argument("--out", required=True, type=Path, help="the run config YAML to write")
+    p.add_argument("--out-dir", type=Path, help="the run folder (default: out/ beside the YAML)")
+    p.add_argument(
+        "--mask-token-id", type=int, help="use this mask token (checked) instead of the rule's choice"
+    )
+    p.add_argument(
+        "--aux-count", type=positive, help="target layers the drafter reads (default: the DFlash recipes')"
+    )
+    p.add_argument("--force", action="store_true", help="overwrite --out when it exists")
+    p.set_defaults(func=cmd_init)
+
     p = sub.add_parser("preflight", help="check data, config and machine before any GPU time")
     _add_config_args(p)
     p.add_argument("--json", action="store_true", help="machine-readable report")

@@ -1,5 +1,6 @@
 """The drafter's config gates: aux layer ids (in speculators' convention, after conversion), the mask
-token and the block size, and a warm-start checkpoint's wiring (fc width, aux ids, hidden size)."""
+token (against the target's config and, when the folder has one, its tokenizer) and the block size,
+and a warm-start checkpoint's wiring (fc width, aux ids, hidden size)."""
 
 from __future__ import annotations
 
@@ -10,13 +11,15 @@ import numpy as np
 
 from trainer.preflight.report import PreflightReport
 from trainer.target import TargetInfo, read_json, read_weight_headers
+from trainer.tokenizer_files import TokenizerFiles
 
 if TYPE_CHECKING:
     from trainer.config import RunConfig
 
 MASK_FIX = (
-    "set drafter.mask_token_id to a real, otherwise unused row of the target embedding: a reserved "
-    "special token of the target's tokenizer (Qwen3: 151669), never pad/eos/bos"
+    "set drafter.mask_token_id to a real, otherwise unused row of the target embedding: the first row "
+    "past the tokenizer's ids (Qwen3: 151669) or an unused reserved special token, never pad/eos/bos or "
+    "a token of the chat template (`dflash init` picks one by this rule)"
 )
 WARM_START_FIX = "point drafter.warm_start at a complete speculators DFlash checkpoint folder, or remove it"
 
@@ -128,21 +131,45 @@ def drafter_gate(cfg: RunConfig, target: TargetInfo | None, report: PreflightRep
             f"({target.vocab}): nothing would be left out",
             "set drafter.draft_vocab_size below the vocabulary (e.g. 32768), or null for the whole one",
         )
-    mask = d.mask_token_id
+    tokenizer = TokenizerFiles.from_folder(cfg.target.path)
+    for code, message in mask_token_problems(d.mask_token_id, target, tokenizer):
+        report.error(code, message, MASK_FIX)
+
+
+def mask_token_problems(
+    mask: int, target: TargetInfo, tokenizer: TokenizerFiles | None
+) -> list[tuple[str, str]]:
+    """(code, message) for each reason `mask` cannot be the drafter's mask token: not a row of the
+    target's embedding; the pad/bos/eos id of its config.json or generation_config.json, or the
+    pad/bos/eos/unk token of its tokenizer; a token its chat template writes (every chat sample holds
+    it). The one home of these checks: preflight reports them, `dflash init` refuses a mask with any."""
     if not 0 <= mask < target.vocab:
-        report.error(
-            "config.mask_token_out_of_vocab",
-            f"drafter.mask_token_id {mask} is outside the target vocabulary (0..{target.vocab - 1})",
-            MASK_FIX,
-        )
-        return
+        return [
+            (
+                "config.mask_token_out_of_vocab",
+                f"drafter.mask_token_id {mask} is outside the target vocabulary (0..{target.vocab - 1})",
+            )
+        ]
+    found: list[tuple[str, str]] = []
     roles = [role for role, ids in target.special_ids.items() if mask in ids]
+    if tokenizer is not None:
+        roles += [r for r, i in tokenizer.role_ids.items() if i == mask and r != "mask" and r not in roles]
     if roles:
-        report.error(
-            "config.mask_token_special",
-            f"drafter.mask_token_id {mask} is the target's {'/'.join(roles)} token id",
-            MASK_FIX,
+        found.append(
+            (
+                "config.mask_token_special",
+                f"drafter.mask_token_id {mask} is the target's {'/'.join(roles)} token id",
+            )
         )
+    if tokenizer is not None and tokenizer.in_template(mask):
+        found.append(
+            (
+                "config.mask_token_in_template",
+                f"drafter.mask_token_id {mask} ({tokenizer.added[mask][0]!r}) is written by the target's "
+                "chat template: every chat sample holds it",
+            )
+        )
+    return found
 
 
 def warm_start_gate(cfg: RunConfig, target: TargetInfo | None, report: PreflightReport) -> None:
