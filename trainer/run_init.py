@@ -151,9 +151,9 @@ def choose_mask(target: TargetInfo, tokenizer: TokenizerFiles | None) -> tuple[i
         for mask in range(target.vocab - 1, max(target.vocab - 257, -1), -1):
             if not mask_token_problems(mask, target, None):
                 return mask, (
-                    f"the last embedding row below {target.vocab} that is not pad/bos/eos; the folder has "
-                    "no tokenizer, so not checked against one (`dflash preflight` checks it when the "
-                    "tokenizer is there)"
+                    f"the highest row of the {target.vocab}-row embedding that is no pad/bos/eos id; the "
+                    "folder has no tokenizer, so not checked against one (`dflash preflight` checks it "
+                    "once the tokenizer is there)"
                 )
         raise InitError("no embedding row near the top is free of pad/bos/eos ids: pass --mask-token-id N")
     candidates: list[tuple[int, str]] = []
@@ -250,6 +250,7 @@ def build(
             f"(outputs of layers 1 ... L-3), in the {convention} convention; the last layer's output is "
             "captured on every run as the verifier's hidden state"
         ),
+        "drafter.layer_id_convention": DrafterConfig.model_fields["layer_id_convention"].description or "",
         "drafter.mask_token_id": mask_reason,
     }
     sections: dict[str, Any] = {
