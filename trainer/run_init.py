@@ -89,18 +89,36 @@ class InitResult:
 
 
 def target_folder(arg: str) -> Path:
-    """The local model folder `--target` names; a Hub repo id is taken only as a folder that exists."""
+    """The local model folder `--target` names. A Hub repo id (`Qwen/Qwen3-8B`) is taken only when a
+    copy is already on this machine: a folder of that name, or a snapshot in the Hugging Face cache."""
     path = Path(arg).expanduser()
     if path.is_dir():
         return path
     if path.exists():
         raise InitError(f"--target {arg} is a file, not a model folder (the folder holding config.json)")
     if HUB_ID.match(arg) and not arg.startswith("."):
+        cached = hub_cache_snapshot(arg)
+        if cached is not None:
+            return cached
         raise InitError(
-            f"--target {arg}: no local copy: sync it first with data_sync (its Hub source) and pass the "
-            "folder it wrote; this command reads the folder, it downloads nothing"
+            f"--target {arg} is not a local folder, and as a Hub repo id: no local copy: sync it first "
+            "with data_sync (its Hub source) and pass the folder it wrote (init reads a folder, it "
+            "downloads nothing)"
         )
     raise InitError(f"--target {arg} does not exist: pass a transformers model folder (config.json)")
+
+
+def hub_cache_snapshot(repo_id: str) -> Path | None:
+    """The snapshot of `repo_id` that the Hugging Face cache's `refs/main` names, when it holds a
+    config.json ($HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub)."""
+    home = os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface")
+    cache = Path(os.environ.get("HF_HUB_CACHE") or os.path.join(home, "hub"))
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    try:
+        snapshot = repo / "snapshots" / (repo / "refs" / "main").read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return snapshot if (snapshot / "config.json").is_file() else None
 
 
 def read_target(folder: Path) -> tuple[TargetInfo, str]:

@@ -197,7 +197,22 @@ def bad_inputs(tmp: Path) -> list[tuple[str, str]]:
     ]
 
 
+def test_a_hub_repo_id_is_read_from_the_local_hub_cache_only(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.chdir(tmp_path)
+    args = ["init", "--target", "Qwen/Qwen3-8B", "--data", "data", "--out", "run.yaml"]
+    assert main(args) == 2
+    assert "no local copy: sync it first with data_sync" in capsys.readouterr().err
+    repo = tmp_path / "hub" / "models--Qwen--Qwen3-8B"
+    shutil.copytree(EXAMPLES / "qwen3-8b" / "target", repo / "snapshots" / "abc123")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    assert main(args) == 0
+    assert load_config(tmp_path / "run.yaml").target.path == repo / "snapshots" / "abc123"
+
+
 def test_bad_inputs_exit_2_with_their_message(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "run.yaml"
     for target, words in bad_inputs(tmp_path):
