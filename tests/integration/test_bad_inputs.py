@@ -82,6 +82,43 @@ CASES = [
     Case(
         "config file not UTF-8 (train)", "train --config latin1.yaml", "dflash train: latin1.yaml: not UTF-8"
     ),
+    # a run config for a target (`dflash init`)
+    Case(
+        "`init --target` missing", "init --target nope --data d --out r.yaml", "--target nope does not exist"
+    ),
+    Case(
+        "`init --target` a file", "init --target afile --data d --out r.yaml", "is a file, not a model folder"
+    ),
+    Case(
+        "`init --target` a Hub repo id not on this machine",
+        "init --target nobody/no-such-model --data d --out r.yaml",
+        "no local copy: sync it first with data_sync",
+    ),
+    Case(
+        "`init --target` without config.json",
+        "init --target adir --data d --out r.yaml",
+        "has no config.json",
+    ),
+    Case(
+        "`init --target` not a causal LM",
+        "init --target bert --data d --out r.yaml",
+        "names no causal language model",
+    ),
+    Case(
+        "`init --target` config without num_hidden_layers",
+        "init --target nolayers --data d --out r.yaml",
+        "lacks 'num_hidden_layers'",
+    ),
+    Case(
+        "`init --out` exists",
+        "init --target causal --data d --out good.yaml",
+        "--out good.yaml exists: pass --force to overwrite it",
+    ),
+    Case(
+        "`init --mask-token-id` the EOS id",
+        "init --target causal --data d --out r.yaml --mask-token-id 2",
+        "is the target's eos token id",
+    ),
     # salvage
     Case(
         "`salvage push --workers 0`",
@@ -275,6 +312,14 @@ def scratch(d: Path) -> None:
     (d / "afile").write_text("x\n")
     (d / "binary.dat").write_bytes(b"\xff\xfe\x00garbage")
     (d / "adir").mkdir()
+    shape = {"hidden_size": 64, "num_attention_heads": 4, "vocab_size": 512, "eos_token_id": 2}
+    for name, conf in (
+        ("bert", {"architectures": ["BertModel"], "num_hidden_layers": 2, **shape}),
+        ("nolayers", {"architectures": ["LlamaForCausalLM"], **shape}),
+        ("causal", {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 4, **shape}),
+    ):
+        (d / name).mkdir()
+        (d / name / "config.json").write_text(json.dumps(conf))
     for name, steps in (("badrun", ["abc", 7]), ("widerun", [2**31, 2**31 + 1])):
         lines = [{"event": "run_start", "time": 1.0, "run_id": "r", "totals": {"total_steps": 2**31 + 5}}] + [
             {
