@@ -177,7 +177,7 @@ def choose_mask(target: TargetInfo, tokenizer: TokenizerFiles | None) -> tuple[i
     candidates: list[tuple[int, str]] = []
     if "mask" in tokenizer.role_ids:
         candidates.append((tokenizer.role_ids["mask"], "the tokenizer's own mask token"))
-    if tokenizer.size < target.vocab:
+    if tokenizer.size is not None and tokenizer.size < target.vocab:
         candidates.append(
             (
                 tokenizer.size,

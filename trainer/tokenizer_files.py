@@ -52,12 +52,15 @@ def _template_text(folder: Path, conf: dict[str, Any]) -> str:
 
 @dataclass(frozen=True)
 class TokenizerFiles:
-    """The token-id facts of a tokenizer folder. `size`: one past the highest id it can produce (its
-    base vocabulary and added tokens); `added`: id -> (content, special) of its added tokens;
-    `role_ids`: "pad"/"bos"/"eos"/"unk"/"mask" -> id, where the tokenizer names one; `chat_template`:
-    every template text it ships (empty when none)."""
+    """The token-id facts of a tokenizer folder.
 
-    size: int
+    `size`: one past the highest id it can produce (its base vocabulary and added tokens); None when
+    the base vocabulary is not in tokenizer.json (a sentencepiece `tokenizer.model` only: where its ids
+    end is unknown here). `added`: id -> (content, special) of its added tokens. `role_ids`:
+    "pad"/"bos"/"eos"/"unk"/"mask" -> id, where the tokenizer names one. `chat_template`: every
+    template text it ships (empty when none)."""
+
+    size: int | None
     added: dict[int, tuple[str, bool]] = field(default_factory=dict)
     role_ids: dict[str, int] = field(default_factory=dict)
     chat_template: str = ""
@@ -73,7 +76,8 @@ class TokenizerFiles:
         if not tok and not conf:
             return None
         ids: set[int] = set()
-        vocab = (tok.get("model") or {}).get("vocab")
+        model = tok.get("model")
+        vocab = model.get("vocab") if isinstance(model, dict) else None
         if isinstance(vocab, dict):  # BPE, WordPiece, WordLevel: token -> id
             ids.update(int(i) for i in vocab.values() if isinstance(i, int))
         elif isinstance(vocab, list):  # Unigram: [[piece, score], ...], the id is the position
@@ -95,7 +99,7 @@ class TokenizerFiles:
             if name is not None and name in by_content:
                 roles[role] = by_content[name]
         return cls(
-            size=max(ids) + 1 if ids else 0,
+            size=max(ids) + 1 if isinstance(vocab, (dict, list)) and ids else None,
             added=added,
             role_ids=roles,
             chat_template=_template_text(folder, conf),

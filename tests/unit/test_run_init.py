@@ -131,6 +131,18 @@ def test_mask_is_an_unused_special_token_when_the_tokenizer_fills_the_embedding(
     assert mask == 3 and "'<empty_output>'" in why  # <unk> (4) is the tokenizer's unk token
 
 
+def test_without_the_base_vocabulary_no_row_is_taken_for_past_the_tokenizer(tmp_path):
+    # a sentencepiece tokenizer (tokenizer.model, not read here): only tokenizer_config.json's added
+    # tokens are known, so id 3 is not "past the tokenizer"; an unused added special token is taken
+    decoder = {str(i): {"content": c, "special": True} for i, c in enumerate(["<unk>", "<s>", "</s>"])}
+    decoder["31999"] = {"content": "<reserved_0>", "special": True}
+    conf = {"added_tokens_decoder": decoder, "eos_token": "</s>", "unk_token": "<unk>"}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(conf))
+    tok = TokenizerFiles.from_folder(tmp_path)
+    assert tok is not None and tok.size is None and tok.role_ids == {"eos": 2, "unk": 0}
+    assert choose_mask(target_info(32000, eos=2, pad=0), tok)[0] == 31999
+
+
 def test_preflight_refuses_a_mask_the_chat_template_writes(tmp_path):
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     write_tokenizer(tmp_path, 509, specials, "<|im_start|>{{ m }}<|im_end|>", eos_token="<|im_end|>")
