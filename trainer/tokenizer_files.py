@@ -107,6 +107,7 @@ class TokenizerFiles:
 
     def in_template(self, token_id: int) -> bool:
         """Whether the added token `token_id` is written by the chat template (then every chat sample
-        holds it)."""
+        holds it). Contents shorter than three characters or only whitespace are not looked for: they
+        would match any template text."""
         content = self.added.get(token_id, ("", False))[0]
-        return bool(content) and content in self.chat_template
+        return len(content.strip()) >= 3 and content in self.chat_template
