@@ -150,7 +150,7 @@ def register(sub) -> None:
     p.add_argument(
         "--target",
         required=True,
-        help="the target's local model folder (a Hub repo id only once data_sync has copied it)",
+        help="the target's local model folder (a Hub repo id: only a copy already here, in the HF cache)",
     )
     p.add_argument("--data", required=True, type=Path, help="the dataset folder the run trains on")
     p.add_argument("--out", required=True, type=Path, help="the run config YAML to write")
