@@ -4,7 +4,8 @@ user without a tunnel. Same state, alerts and machine facts as the page (trainer
 from __future__ import annotations
 
 import math
-import time
+import signal
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -186,11 +187,16 @@ def status(
         return 0
     from rich.live import Live
 
+    # Ctrl-C (or a TERM) only sets an event the loop waits on: a KeyboardInterrupt raised wherever the
+    # main thread happens to be (inside rich's lock, in a render) could leave that lock held, and the
+    # view's exit then waited on it forever (seen once in the suite under load: no exit within 30 s)
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         with Live(render(*current()), console=console, refresh_per_second=4, screen=False) as live:
-            while True:
-                time.sleep(interval)
+            while not stop.wait(interval):
                 live.update(render(*current()))
-    except KeyboardInterrupt:
-        pass
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return 0
