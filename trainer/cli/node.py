@@ -216,6 +216,14 @@ def register(sub) -> None:
         "--mean-tokens", type=above_zero, default=2000, help="mean tokens per sample (default 2000)"
     )
     p.add_argument("--epochs", type=above_zero, default=1.0)
+    p.add_argument(
+        "--regenerate-samples",
+        type=count,
+        default=0,
+        metavar="N",
+        help="samples `dflash regenerate` will write on the node: their dataset (N x --mean-tokens tokens) "
+        "joins the disk table (default 0: none planned)",
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_plan)
 

@@ -52,6 +52,7 @@ class PlanInputs:
     source: str  # auto (the plan chooses), hooked or vllm
     gpus_per_copy: int | None  # pinned (target.gpus_per_copy, --gpus-per-copy); None: the plan chooses
     config: str | None  # the run config read ("-": stdin); None: the flags
+    run: Any = None  # that run config (RunConfig), for what the plan reads beyond the recipe (disk)
 
 
 def flag(dest: str) -> str:
@@ -150,4 +151,4 @@ def from_config(args) -> PlanInputs:
         vllm_memory_share=target.vllm.gpu_memory_utilization,
     )
     dtype = "bfloat16" if target.dtype == "auto" else target.dtype
-    return PlanInputs(path, dtype, recipe, source, gpus_per_copy, args.config)
+    return PlanInputs(path, dtype, recipe, source, gpus_per_copy, args.config, cfg)

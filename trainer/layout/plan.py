@@ -7,7 +7,9 @@ target's config.json from target.path unless `--target-config` names a copy on t
 target's config.json and the recipe flags; and the GPUs (trainer/layout/hardware.py): a catalog name or
 each node's recon facts. Layouts: in process (trainer/layout/hooked.py), else, with `target.source`
 auto or vllm, a vLLM split (trainer/layout/split.py); both weigh the run with trainer/layout/sizing.py,
-the memory model `dflash preflight` uses too. A layout that does not fit is refused: the report, then
+the memory model `dflash preflight` uses too. The disk a node needs (target, venv, checkpoints,
+hidden-state spool, regenerated data) comes from trainer/layout/disk.py, which preflight's disk gate
+checks too. A layout that does not fit is refused: the report, then
 the reason on stderr, exit 2. Light side: no torch.
 """
 
@@ -17,10 +19,20 @@ import json
 from typing import Any
 
 from trainer.errors import ExitCode
+from trainer.layout.disk import plan_disk
 from trainer.layout.hardware import node_count, node_gpus
 from trainer.layout.hooked import choose_layout
 from trainer.layout.inputs import plan_inputs
-from trainer.layout.recipe import ASSUMPTIONS, GIB, PlanError, Recipe, TargetShape, describe, read_target
+from trainer.layout.recipe import (
+    ASSUMPTIONS,
+    GIB,
+    PlanError,
+    Recipe,
+    TargetShape,
+    describe,
+    read_target,
+    shapes,
+)
 from trainer.layout.report import offline_arithmetic, render_text
 from trainer.layout.split import choose_disaggregated, disaggregated_layout
 
@@ -124,6 +136,18 @@ def make_plan(args) -> dict[str, Any]:
     )
     plan["offline_storage_bytes"] = arith["offline_storage_bytes"]
     plan["offline_vs_online"] = arith
+    plan["disk"] = plan_disk(
+        inputs.target_config,
+        inputs.dtype,
+        shapes(target, r),
+        run=inputs.run,
+        source=source,
+        trainer_ranks=layout["data_parallel"],
+        num_layers=target.layers,
+        tokens_per_batch=r.tokens,
+        regenerate_samples=args.regenerate_samples,
+        mean_tokens=args.mean_tokens,
+    )
     return plan
 
 

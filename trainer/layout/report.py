@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from trainer.layout.disk import render as render_disk
 from trainer.layout.hardware import GPU_CATALOG
 from trainer.layout.recipe import ASSUMPTIONS, DTYPE_BYTES, TargetShape
 
@@ -103,6 +104,9 @@ def render_text(p: dict[str, Any]) -> str:
     ]
     if p["apply"]:
         lines.append("apply    " + ", ".join(f"{k} {v}" for k, v in flat_keys(p["apply"]).items()))
+    if p.get("disk"):
+        lines.append(f"disk     ~{p['disk']['total_gb']} GB per node (rent at least this much):")
+        lines += render_disk(p["disk"], indent="  ")
     o = p["offline_vs_online"]
     lines.append(f"offline  {o['offline_storage_tb']} TB of hidden states ({o['formula']})")
     lines.append(f"         {o['online_note']}")

@@ -9,8 +9,9 @@ Three gates, each listing every problem it finds (a run is refused on any error;
   (target.py); the aux layer ids (in speculators' convention, after conversion), the mask token, the
   block size, and a warm-start checkpoint's wiring (fc width, aux ids, hidden size) (drafter.py);
 - machine (machine.py): the device (`train.device: cuda` without CUDA, or `auto` on a machine whose
-  NVIDIA GPUs torch cannot use, is refused: trainer/device.py), free disk for the kept checkpoints,
-  a memory estimate against the device, and /dev/shm for a vLLM server the run starts (shm.py).
+  NVIDIA GPUs torch cannot use, is refused: trainer/device.py), free disk for the parts of the run
+  still to be written (disk.py: the budget `dflash plan` prints), a memory estimate against the
+  device, and /dev/shm for a vLLM server the run starts (shm.py).
 
 The findings and their rendering are in report.py. Light side: model folders are read by
 trainer/target.py (config.json as JSON, safetensors files by their headers only); no transformers or
@@ -24,8 +25,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from trainer.preflight.data import data_gate
+from trainer.preflight.disk import disk_gate
 from trainer.preflight.drafter import aux_gate, drafter_gate, warm_start_gate
-from trainer.preflight.machine import device_gate, disk_gate, memory_gate
+from trainer.preflight.machine import device_gate, memory_gate
 from trainer.preflight.report import PreflightReport
 from trainer.preflight.shm import shm_gate
 from trainer.preflight.target import source_gate, target_gate

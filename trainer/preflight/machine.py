@@ -1,13 +1,11 @@
-"""The machine gates: the device train.device names (trainer/device.py), free disk for the kept
-checkpoints, and a memory estimate (trainer/layout/sizing.py) against the device the run would use.
+"""The machine gates: the device train.device names (trainer/device.py) and a memory estimate
+(trainer/layout/sizing.py) against the device the run would use (the disk gate: disk.py).
 torch is imported only to ask CUDA whether it is there and for its free memory."""
 
 from __future__ import annotations
 
 import os
-import shutil
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from trainer.layout.sizing import per_device_bytes
@@ -17,29 +15,8 @@ from trainer.target import TargetInfo
 if TYPE_CHECKING:
     from trainer.config import RunConfig
 
-GB = 1e9
 GIB = float(2**30)
-CHECKPOINT_OVERHEAD_BYTES = 16 * 2**20  # config, trainer state, RNG, sampler state
-ADAM_STATE_BYTES = 2 * 4  # exp_avg + exp_avg_sq, fp32 (a checkpoint holds all of them)
 MEMORY_TIGHT_SHARE = 0.9  # warn above this share of the device's memory
-
-
-@dataclass(frozen=True)
-class DrafterSize:
-    trainable: int  # decoder layers, fc, hidden_norm, norm
-    frozen: int  # embed_tokens, the lm_head/verifier_lm_head it shares, verifier_norm (the target's)
-    saved_head: int = 0  # a draft-vocabulary lm_head, saved with the checkpoint (the target lacks it)
-
-    @classmethod
-    def estimate(cls, cfg: RunConfig, target: TargetInfo) -> DrafterSize:
-        s = target.shapes(cfg)
-        head = s.head_rows * s.hidden if s.draft_vocab else 0
-        return cls(trainable=s.drafter_trainable, frozen=s.drafter_frozen, saved_head=head)
-
-    @property
-    def checkpoint_bytes(self) -> int:
-        """fp32 weights + Adam state (an upper bound for Muon's) + a reduced head + small files."""
-        return self.trainable * (4 + ADAM_STATE_BYTES) + self.saved_head * 4 + CHECKPOINT_OVERHEAD_BYTES
 
 
 @dataclass(frozen=True)
@@ -47,13 +24,6 @@ class DeviceMemory:
     name: str
     available: int  # bytes
     cuda: bool
-
-
-def nearest_existing(path: Path) -> Path:
-    path = Path(path).absolute()
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
 
 
 def probe_device_memory(device: str) -> DeviceMemory | None:
@@ -115,37 +85,6 @@ def device_gate(cfg: RunConfig, target: TargetInfo | None, report: PreflightRepo
         report.machine["device"] = choose_device(cfg.train.device).describe()
     except DeviceRefused as exc:
         report.error(exc.code, exc.message, exc.fix)
-
-
-def disk_gate(cfg: RunConfig, target: TargetInfo | None, report: PreflightReport) -> None:
-    base = nearest_existing(cfg.out_dir)
-    if not base.is_dir() or not os.access(base, os.W_OK):
-        report.error(
-            "machine.out_dir_not_writable",
-            f"out_dir {cfg.out_dir}: {base} is not a writable folder",
-            "set out_dir to a folder this user can write to",
-        )
-        return
-    ckpt = DrafterSize.estimate(cfg, target).checkpoint_bytes if target else 0
-    count = cfg.train.keep_checkpoints + 1  # the kept ones plus the one being written
-    need = count * ckpt + cfg.preflight.disk_reserve_gb * GB
-    free = shutil.disk_usage(base).free
-    report.machine["disk"] = {
-        "path": str(base),
-        "free_gb": free / GB,
-        "need_gb": need / GB,
-        "checkpoint_gb": ckpt / GB,
-        "checkpoints": count,
-        "reserve_gb": cfg.preflight.disk_reserve_gb,
-    }
-    if need > free:
-        report.error(
-            "machine.disk_space",
-            f"{base} has {free / GB:.2f} GB free; the run needs {need / GB:.2f} GB ({count} checkpoints of "
-            f"{ckpt / GB:.3f} GB + preflight.disk_reserve_gb {cfg.preflight.disk_reserve_gb:g})",
-            "free disk space, move out_dir to a larger filesystem, or lower train.keep_checkpoints / "
-            "preflight.disk_reserve_gb",
-        )
 
 
 def memory_gate(cfg: RunConfig, target: TargetInfo | None, report: PreflightReport) -> None:

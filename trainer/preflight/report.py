@@ -111,11 +111,13 @@ def _render_machine(m: dict[str, Any]) -> list[str]:
     lines = [f"device  {m['device']}"] if m.get("device") else []
     disk = m.get("disk")
     if disk:
+        from trainer.layout.disk import render
+
         lines.append(
-            f"disk    need {disk['need_gb']:.2f} GB ({disk['checkpoints']} x {disk['checkpoint_gb']:.3f} GB "
-            f"checkpoints + {disk['reserve_gb']:g} GB reserve), free {disk['free_gb']:.2f} GB "
-            f"at {disk['path']}"
+            f"disk    need {disk['need_gb']:.2f} GB free for what is still to be written, free "
+            f"{disk['free_gb']:.2f} GB at {disk['path']}; the run's disk budget:"
         )
+        lines += render(disk["budget"], indent="          ") if "budget" in disk else []
     mem = m.get("memory")
     if mem and "skipped" in mem:
         lines.append(f"memory  skipped: {mem['skipped']}")

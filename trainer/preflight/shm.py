@@ -26,6 +26,8 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from trainer.layout import disk
+
 if TYPE_CHECKING:
     from trainer.config import RunConfig
     from trainer.preflight.report import PreflightReport
@@ -37,25 +39,25 @@ VLLM_QUEUES_BYTES = 10 * 24 * 2**20  # MessageQueue's default max_chunks x max_c
 
 
 def spool_tokens(cfg: RunConfig) -> int:
-    """The most tokens one trainer rank has in hidden-state files at once: `prefetch_batches` + 1 batches
-    requested, of which at most REQUEST_THREADS documents written and not yet read."""
-    from trainer.sources.vllm_server import REQUEST_THREADS, longest_document
+    """The most tokens one trainer rank has in hidden-state files at once (trainer/layout/disk.py)."""
+    from trainer.sources.vllm_server import longest_document
 
-    batches = (cfg.target.vllm.prefetch_batches + 1) * cfg.train.max_tokens_per_batch
-    return min(batches, REQUEST_THREADS * longest_document(cfg))
+    return disk.spool_tokens(
+        cfg.target.vllm.prefetch_batches, cfg.train.max_tokens_per_batch, longest_document(cfg)
+    )
 
 
 def spool_bytes(cfg: RunConfig, target: TargetInfo, cpu: bool, local_ranks: int | None = None) -> int:
-    """The hidden-state files in the folder at once: `spool_tokens` per trainer rank of this node
-    (`local_ranks`, default $LOCAL_WORLD_SIZE, 1 outside torchrun), at each tapped layer (the aux ids
-    and the verifier's last state), in the server's dtype."""
+    """The hidden-state files in the folder at once (trainer/layout/disk.py): `spool_tokens` per trainer
+    rank of this node (`local_ranks`, default $LOCAL_WORLD_SIZE, 1 outside torchrun), at each tapped
+    layer (the aux ids and the verifier's last state), in the server's dtype."""
     from trainer.sources.vllm_server import server_layer_ids
     from trainer.sources.vllm_target import server_dtype
 
     width = 4 if server_dtype(cfg, cpu) == "float32" else 2
     layers = len(server_layer_ids(cfg.drafter.aux_ids, target.num_layers))
     ranks = local_ranks if local_ranks is not None else int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-    return max(1, ranks) * spool_tokens(cfg) * layers * target.hidden * width
+    return disk.spool_bytes(ranks, spool_tokens(cfg), layers, target.hidden, width)
 
 
 def shm_gate(
