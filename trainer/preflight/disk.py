@@ -45,14 +45,25 @@ def spool_folder(cfg: RunConfig, shm: Path = SHM) -> Path | None:
     return Path(v.storage_dir)
 
 
+def torch_kind(cfg: RunConfig) -> str:
+    """The venv's torch kind: that of the device the run would use (trainer/device.py)."""
+    if cfg.train.device == "cpu":
+        return "cpu"
+    from trainer.device import DeviceRefused, choose_device
+
+    try:
+        return "cpu" if choose_device(cfg.train.device).type == "cpu" else "cuda"
+    except DeviceRefused:  # the device gate reports it
+        return "cuda"
+
+
 def run_parts(cfg: RunConfig, target: TargetInfo | None, out: Path, shm: Path = SHM) -> list[DiskPart]:
     """The run's disk parts on this node (`out`: the existing folder out_dir lives in)."""
     parts = []
     if target is not None and cfg.target.path.is_dir():
         weights, source = disk.target_bytes(cfg.target.path, cfg.target.dtype)
         parts.append(DiskPart("target", weights, f"{source} at target.path", present=True))
-    kind = "cpu" if cfg.train.device == "cpu" else "cuda"
-    parts.append(disk.venv_part(kind, present=True))
+    parts.append(disk.venv_part(torch_kind(cfg), present=True))
     if target is not None:
         parts.append(disk.checkpoints_part(target.shapes(cfg), cfg.train.keep_checkpoints, str(out)))
     folder = spool_folder(cfg, shm)
@@ -62,7 +73,7 @@ def run_parts(cfg: RunConfig, target: TargetInfo | None, out: Path, shm: Path = 
 
         layers = len(server_layer_ids(cfg.drafter.aux_ids, target.num_layers))
         source = f"{layers} tapped layers x hidden {target.hidden}, in target.vllm.storage_dir {folder}"
-        spool = spool_bytes(cfg, target, cpu=cfg.train.device == "cpu")
+        spool = spool_bytes(cfg, target, cpu=torch_kind(cfg) == "cpu")
         parts.append(DiskPart("spool", spool, source, path=str(nearest_existing(folder))))
     parts.append(disk.reserve_part(cfg.preflight.disk_reserve_gb, str(out)))
     return parts
