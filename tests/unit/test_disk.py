@@ -86,7 +86,7 @@ def test_the_plan_states_the_disk_of_the_seeds_run(tmp_path):
     4 checkpoints of the 5-layer drafter, the spool in /dev/shm (not disk) and the reserve; docs print it."""
     p = plan_in_process("--config", SEEDS_RUN, "--gpu", "A100-40GB", "--gpu-count", 8)
     d = parts(p["disk"])
-    assert d["target"]["bytes"] == 55_116_000_000 and d["venv"]["bytes"] == disk.VENV_BYTES["cuda"]
+    assert d["target"]["bytes"] == 55_116_000_000 and d["venv"]["bytes"] == disk.VENV_BYTES["cuda+engine"]
     cfg = load_config(SEEDS_RUN)
     s = TargetInfo.from_folder(QWEN.parent).shapes(cfg)
     assert d["checkpoints"]["bytes"] == pytest.approx(4 * disk.checkpoint_bytes(s), rel=1e-3)
@@ -174,3 +174,26 @@ def test_preflight_refuses_a_node_whose_disk_lacks_the_run_naming_each_part(make
             text=True,
         )
     assert r.returncode == 2 and "machine.disk_space" in r.stdout + r.stderr, r.stdout + r.stderr
+
+
+def test_the_docs_rent_table_is_what_the_plan_prints():
+    """docs/hardware.md's "How much disk to rent": each row's figures, as `dflash plan` computes them."""
+    recipe = ("--draft-layers", 5, "--block-size", 16, "--anchors", 512, "--tokens-per-batch", 4096,
+              "--loss-chunk-rows", 1024, "--activation-checkpointing")  # fmt: skip
+    root = QWEN.parents[4]
+    rows = {
+        "Qwen3-8B": root / "examples" / "qwen3-8b" / "target",
+        "Qwen3-32B": QWEN.parents[1] / "qwen3-32b",
+        "Qwen3.6-27B": QWEN.parent,
+    }
+    page = (root / "docs" / "hardware.md").read_text()
+    for name, target in rows.items():
+        gpus = ("--target-config", target, "--gpu", "H100-80GB", "--gpu-count", 8)
+        seeds = plan_in_process(*gpus, *recipe)["disk"]
+        one_layer = plan_in_process(*gpus)["disk"]
+        d = parts(seeds)
+        cells = [d["target"]["bytes"], d["venv"]["bytes"], d["checkpoints"]["bytes"]]
+        row = " | ".join(f"{b / GB:.2f} GB" for b in cells)
+        row += f" | **{seeds['total_gb']:.2f} GB** | {one_layer['total_gb']:.2f} GB |"
+        line = next(line for line in page.splitlines() if line.startswith(f"| {name}"))
+        assert line.endswith(row), f"docs/hardware.md: {line!r} should end {row!r}"

@@ -11,10 +11,12 @@ The parts and where each figure comes from:
   `scripts/setup-venv --test` (this repository's .venv on 2026-12-04: torch 2.13.0+cpu, runtime.txt,
   the vLLM CPU engine, the test and docs tools: 5.17 GB);
   "cuda" is the uncompressed size of every file in the wheels pip resolves for
-  requirements/runtime.txt + cuda-constraints.txt (torch 2.13.0 and its CUDA 13 libraries) +
-  cuda-engine.txt (vllm 0.32.0): `pip install --dry-run --report` against PyPI, then each wheel's zip
-  directory read on 2026-12-04 (216 wheels, 4.06 GB compressed, 8.61 GB of files); not counted: .pyc
-  files written at install time and the few MB of the --no-deps packages (speculators);
+  requirements/runtime.txt + cuda-constraints.txt (torch 2.13.0 and its CUDA 13 libraries):
+  `pip install --dry-run --report` against PyPI, then each wheel's zip directory read, on 2026-12-04
+  (101 wheels, 2.90 GB compressed, 5.27 GB of files); "cuda+engine" the same with cuda-engine.txt
+  (vllm 0.32.0: 216 wheels, 4.06 GB compressed, 8.61 GB of files), the venv of a run whose target a
+  vLLM server holds (target.source vllm) or of a node that regenerates (python_env_engine); not
+  counted: .pyc files written at install time and the few MB of the --no-deps packages (speculators);
 - checkpoints: (train.keep_checkpoints + the one being written) x one drafter checkpoint
   (`checkpoint_bytes`: fp32 trainable weights + Adam's two fp32 moments, an upper bound for Muon's,
   + a saved draft-vocabulary head + the small files);
@@ -40,11 +42,12 @@ CHECKPOINT_OVERHEAD_BYTES = 16 * 2**20  # config, trainer state, RNG, sampler st
 ADAM_STATE_BYTES = 2 * 4  # exp_avg + exp_avg_sq, fp32 (a checkpoint holds all of them)
 DATASET_BYTES_PER_TOKEN = 8 + 8  # input_ids + loss_mask, int64 each (datasets.Dataset.from_dict of ints)
 WEIGHT_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8": 1, "float8_e4m3fn": 1}
-VENV_BYTES = {"cpu": 5_174_837_248, "cuda": 8_605_559_110}
+VENV_BYTES = {"cpu": 5_174_837_248, "cuda": 5_271_664_885, "cuda+engine": 8_605_559_110}
 VENV_SOURCE = {
     "cpu": "estimate: du -s of a CPU venv (torch 2.13.0+cpu, runtime, vLLM CPU engine, test and docs tools)",
-    "cuda": "estimate: the files of the pinned wheels (torch 2.13.0 CUDA 13, vllm 0.32.0, runtime.txt), "
-    "uncompressed",
+    "cuda": "estimate: the files of the pinned wheels (torch 2.13.0 CUDA 13, runtime.txt), uncompressed",
+    "cuda+engine": "estimate: the files of the pinned wheels (torch 2.13.0 CUDA 13, runtime.txt, "
+    "vllm 0.32.0), uncompressed",
 }
 
 
@@ -158,7 +161,8 @@ def plan_disk(
     from trainer.sources.vllm_server import server_layer_ids
 
     weights, where = target_bytes(target_config, dtype)
-    parts = [DiskPart("target", weights, where), venv_part("cuda")]
+    engine = (source == "vllm" and (run is None or run.target.vllm.url is None)) or regenerate_samples > 0
+    parts = [DiskPart("target", weights, where), venv_part("cuda+engine" if engine else "cuda")]
     keep = run.train.keep_checkpoints if run else config_default("train.keep_checkpoints")
     parts.append(checkpoints_part(s, keep))
     v = run.target.vllm if run else VllmSourceConfig()

@@ -46,7 +46,7 @@ def spool_folder(cfg: RunConfig, shm: Path = SHM) -> Path | None:
 
 
 def torch_kind(cfg: RunConfig) -> str:
-    """The venv's torch kind: that of the device the run would use (trainer/device.py)."""
+    """The torch kind of the device the run would use (trainer/device.py): cpu or cuda."""
     if cfg.train.device == "cpu":
         return "cpu"
     from trainer.device import DeviceRefused, choose_device
@@ -57,13 +57,20 @@ def torch_kind(cfg: RunConfig) -> str:
         return "cuda"
 
 
+def venv_kind(cfg: RunConfig) -> str:
+    """The venv estimate to state: with vLLM (cuda+engine) for a server the run starts on CUDA."""
+    kind = torch_kind(cfg)
+    owned = cfg.target.source == "vllm" and cfg.target.vllm.url is None
+    return "cuda+engine" if kind == "cuda" and owned else kind
+
+
 def run_parts(cfg: RunConfig, target: TargetInfo | None, out: Path, shm: Path = SHM) -> list[DiskPart]:
     """The run's disk parts on this node (`out`: the existing folder out_dir lives in)."""
     parts = []
     if target is not None and cfg.target.path.is_dir():
         weights, source = disk.target_bytes(cfg.target.path, cfg.target.dtype)
         parts.append(DiskPart("target", weights, f"{source} at target.path", present=True))
-    parts.append(disk.venv_part(torch_kind(cfg), present=True))
+    parts.append(disk.venv_part(venv_kind(cfg), present=True))
     if target is not None:
         parts.append(disk.checkpoints_part(target.shapes(cfg), cfg.train.keep_checkpoints, str(out)))
     folder = spool_folder(cfg, shm)
