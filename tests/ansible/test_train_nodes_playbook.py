@@ -1,8 +1,10 @@
 """playbooks/train.yml over a group of two real SSH hosts (network namespaces joined by a veth link of
 their own, one run folder each, no shared filesystem, supervisord): one run over both nodes, torchrun's
 c10d rendezvous on the first, gloo over the link. The trainer on the second host is killed -9 mid-run:
-the group restarts, resumes from node 0's checkpoint and ends with weights bit-identical to one host
-running `torchrun --standalone --nproc-per-node 2` on the same data and seed."""
+the group restarts, resumes from node 0's checkpoint and completes; salvage.yml then takes both nodes.
+That the resumed two-node run ends bit-identical to one host running both ranks is proven once, without
+the roles, by tests/integration/test_train_nodes.py (same trainer, same rendezvous): this test proves
+what the roles add (the group's wiring over a link of its own, the restart under supervisord)."""
 
 import contextlib
 import json
@@ -10,18 +12,14 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
-import torch
 import yaml
-from safetensors.torch import load_file
 
 from tests.ansible.test_trainer_service import wait_for
 from tests.integration.test_train import ENV
 from tests.s3servers import TEST_ACCESS_KEY, TEST_SECRET_KEY, client
-from trainer.checkpoint import read_latest
 from trainer.events import load_events
 
 STEPS, EVERY = 300, 20
@@ -86,7 +84,7 @@ def test_two_hosts_train_one_run_and_survive_a_killed_node(
         "trainer_service_create_user": False,
         "trainer_service_run_name": "nodes",
         "trainer_service_stop_margin_s": 20,
-        "trainer_service_env": {"OMP_NUM_THREADS": "1"},  # as the reference run below: the same arithmetic
+        "trainer_service_env": {"OMP_NUM_THREADS": "1"},  # two ranks per 2-core machine, beside other tests
         "trainer_service_run_config": host_cfg,
         "data_sync_items": [{"name": "demo", "src": str(demo), "dest": "{{ dflash_root }}/demo"}],
     }
@@ -121,28 +119,6 @@ def test_two_hosts_train_one_run_and_survive_a_killed_node(
     finally:
         for h in (a, b):
             h.ssh(bed, ctl.format(root=h.root) + " shutdown", check=False)
-
-    ref_cfg = {**cfg, "target": {"path": str(demo / "target")}, "data": {"path": str(demo / "data")}}
-    ref_cfg["out_dir"] = str(tmp_path / "one-host")
-    (tmp_path / "one-host.yaml").write_text(yaml.safe_dump(ref_cfg))
-    t0 = time.monotonic()
-    r = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m"]
-        + ["trainer.cli", "train", "--config", str(tmp_path / "one-host.yaml")],
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:] + f" ({time.monotonic() - t0:.0f}s)"
-    ref_loss = {s["step"]: s["loss"] for s in events(tmp_path / "one-host", "step")}
-    resumed = int(starts[1]["start_step"])
-    assert {s["step"]: s["loss"] for s in events(out_a, "step") if s["step"] > resumed} == {
-        k: v for k, v in ref_loss.items() if k > resumed
-    }
-    want = load_file(str(read_latest(tmp_path / "one-host") / "model.safetensors"))
-    got = load_file(str(read_latest(out_a) / "model.safetensors"))
-    assert [k for k in want if not torch.equal(want[k], got[k])] == [], "two hosts end elsewhere than one"
 
 
 def salvage_the_group(bed, runner, rgw, tmp_path, run_end) -> None:
