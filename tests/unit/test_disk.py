@@ -197,3 +197,39 @@ def test_the_docs_rent_table_is_what_the_plan_prints():
         row += f" | **{seeds['total_gb']:.2f} GB** | {one_layer['total_gb']:.2f} GB |"
         line = next(line for line in page.splitlines() if line.startswith(f"| {name}"))
         assert line.endswith(row), f"docs/hardware.md: {line!r} should end {row!r}"
+
+
+def test_the_plan_sets_a_hosts_recon_disk_beside_the_total(tmp_path):
+    """recon.json's disk_total_gib (the gpu_facts role) beside the table: a 100 GiB root cannot hold the
+    seeds' 153.87 GB; the plan says so (preflight refuses on the node, by free space)."""
+    from tests.unit.test_plan import FIX
+    from trainer.layout.gpus import build_facts
+
+    smi = FIX / "nvidia-smi"
+    gpus = build_facts(
+        (smi / "a100-8x40gb.query.csv").read_text(), (smi / "a100-8x40gb.nvidia-smi.txt").read_text()
+    )
+    for name, gib in (("small", 100), ("big", 500)):
+        facts = {"host": {"name": name}, "gpus": gpus, "disk_total_gib": gib, "disk_path": "/opt/dflash"}
+        (tmp_path / f"{name}.json").write_text(json.dumps(facts))
+    small = plan_in_process("--config", SEEDS_RUN, "--facts", tmp_path / "small.json")
+    assert small["disk"]["nodes"] == [
+        {"host": "small", "path": "/opt/dflash", "size_gb": round(100 * 2**30 / GB, 2), "short": True}
+    ]
+    big = plan_in_process("--config", SEEDS_RUN, "--facts", tmp_path / "big.json")
+    assert big["disk"]["nodes"][0]["short"] is False
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trainer.cli",
+            "plan",
+            "--config",
+            SEEDS_RUN,
+            "--facts",
+            tmp_path / "small.json",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert "small: 107.37 GB filesystem at /opt/dflash (recon): TOO SMALL for the total" in r.stdout, r.stdout

@@ -195,3 +195,28 @@ def plan_disk(
     reserve = run.preflight.disk_reserve_gb if run else config_default("preflight.disk_reserve_gb")
     parts.append(reserve_part(reserve))
     return budget(parts)
+
+
+def against_nodes(table: dict[str, Any], facts_files: list[str] | None) -> list[dict[str, Any]]:
+    """Each recon.json's disk (the gpu_facts role's `disk_total_gib` at the run's root) beside the
+    table's total: `short` when the filesystem is smaller than the total. Its size, not its free space
+    (recon records no free space); preflight checks the free space on the node."""
+    from trainer.layout.hardware import read_facts
+
+    out = []
+    for path in facts_files or []:
+        facts = read_facts(Path(path))
+        if "disk_total_gib" not in facts:
+            continue
+        size = float(facts["disk_total_gib"]) * 2**30
+        host = facts.get("host")
+        host = (host.get("name") if isinstance(host, dict) else host) or Path(path).parent.name
+        out.append(
+            {
+                "host": host,
+                "path": facts.get("disk_path"),
+                "size_gb": round(size / GB, 2),
+                "short": size < table["total_bytes"],
+            }
+        )
+    return out

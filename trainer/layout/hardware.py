@@ -59,7 +59,7 @@ def uncatalogued_gpu(name: str, memory_gib: float) -> dict[str, Any]:
     return {"smi_name": name, "memory_gib": memory_gib, "bf16_tflops": None, "link": "unknown"}
 
 
-def _read_facts(path: Path) -> dict[str, Any]:
+def read_facts(path: Path) -> dict[str, Any]:
     try:
         return json.loads(Path(path).read_text())
     except (OSError, ValueError) as exc:  # missing, not JSON, not UTF-8
@@ -68,7 +68,7 @@ def _read_facts(path: Path) -> dict[str, Any]:
 
 def gpus_from_facts(path: Path) -> tuple[str, dict[str, Any], int]:
     """(catalog name or the smi name, spec, count) from a recon.json written by the gpu_facts role."""
-    facts = _read_facts(path)
+    facts = read_facts(path)
     gpus = facts.get("gpus", facts)
     count = int(gpus.get("count") or 0)
     if count == 0:
@@ -87,7 +87,7 @@ def group_mismatches(facts_files: list[Path]) -> list[str]:
     """How the hosts' recon facts differ in GROUP_FIELDS (empty: they can run as one)."""
     rows = []
     for path in facts_files:
-        facts = _read_facts(path)
+        facts = read_facts(path)
         host = facts.get("host")
         host = (host.get("name") if isinstance(host, dict) else host) or Path(path).parent.name
         rows.append((host, facts.get("gpus", facts)))

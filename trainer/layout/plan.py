@@ -19,7 +19,7 @@ import json
 from typing import Any
 
 from trainer.errors import ExitCode
-from trainer.layout.disk import plan_disk
+from trainer.layout.disk import against_nodes, plan_disk
 from trainer.layout.hardware import node_count, node_gpus
 from trainer.layout.hooked import choose_layout
 from trainer.layout.inputs import plan_inputs
@@ -148,6 +148,7 @@ def make_plan(args) -> dict[str, Any]:
         regenerate_samples=args.regenerate_samples,
         mean_tokens=args.mean_tokens,
     )
+    plan["disk"]["nodes"] = against_nodes(plan["disk"], args.facts)
     return plan
 
 

@@ -107,6 +107,9 @@ def render_text(p: dict[str, Any]) -> str:
     if p.get("disk"):
         lines.append(f"disk     ~{p['disk']['total_gb']} GB per node (rent at least this much):")
         lines += render_disk(p["disk"], indent="  ")
+        for n in p["disk"].get("nodes", []):
+            verdict = "TOO SMALL for the total" if n["short"] else "holds the total"
+            lines.append(f"  {n['host']}: {n['size_gb']} GB filesystem at {n['path']} (recon): {verdict}")
     o = p["offline_vs_online"]
     lines.append(f"offline  {o['offline_storage_tb']} TB of hidden states ({o['formula']})")
     lines.append(f"         {o['online_note']}")
