@@ -22,7 +22,7 @@ import torch
 
 from tests.conftest import wait_for
 from tests.integration.test_train import ENV, cfg_file, events_of, final_weights
-from tests.integration.test_train_ranks import COMMON, run_torchrun
+from tests.integration.test_train_ranks import COMMON
 from trainer.sources.vllm_server import free_port
 
 pytestmark = pytest.mark.slow
@@ -110,11 +110,10 @@ def node_configs(tmp_path, tiny_target, tiny_data, name: str, **train) -> list[P
     ]
 
 
-def test_two_node_ranks_train_like_one_node_and_survive_a_killed_node(tmp_path, tiny_target, tiny_data):
-    ref = cfg_file(tmp_path, tiny_target, tiny_data, name="one-node", **COMMON)
-    res = run_torchrun(ref)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    want = final_weights(tmp_path / "one-node")
+def test_two_node_ranks_train_like_one_node_and_survive_a_killed_node(
+    tmp_path, tiny_target, tiny_data, ddp_run
+):
+    want = final_weights(ddp_run)  # one node running both ranks (torchrun --standalone)
 
     cfgs = node_configs(tmp_path, tiny_target, tiny_data, "two")
     results = finish(start_nodes(cfgs))
@@ -174,7 +173,7 @@ def test_two_node_ranks_train_like_one_node_and_survive_a_killed_node(tmp_path, 
     assert len(starts) == 2 and starts[-1]["resumed_from"] == "step-00000003", starts
     assert "lack step-00000003: rank 0's copy sent" in results[0][1]
     assert not (k1 / "checkpoints").exists(), "node 1 resumed from rank 0's copy, not a folder of its own"
-    ref_loss = {s["step"]: s["loss"] for s in events_of(tmp_path / "one-node", "step")}
+    ref_loss = {s["step"]: s["loss"] for s in events_of(ddp_run, "step")}
     assert {s["step"]: s["loss"] for s in events_of(k0, "step") if s["step"] > 3} == {
         k: ref_loss[k] for k in (4, 5, 6)
     }

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_two_process_gloo_ddp_keeps_ranks_identical_and_equals_one_process_accumulating(
-    tmp_path, tiny_target, tiny_data
+    tmp_path, tiny_target, tiny_data, ddp_run
 ):
     """The DDP run is checked against an independent computation, not only the trainer's own sync flag:
     one process accumulating 2 micro-batches per step (train.grad_accum_steps) sees the same packed
@@ -36,11 +36,7 @@ def test_two_process_gloo_ddp_keeps_ranks_identical_and_equals_one_process_accum
     halves); one process without accumulation (half the global batch) is the control. The same
     1-process run with train.loss_chunk_rows 7 ends where the unchunked one does (to rounding). Every
     valid anchor is taken (max_anchors above the supervised positions), so no RNG draw differs."""
-    common = {"max_steps": 6, "checkpoint_every": 3, "max_anchors": 512}
-    cfg = cfg_file(tmp_path, tiny_target, tiny_data, **common)
-    res = run_torchrun(cfg)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    out = tmp_path / "run"
+    out = ddp_run  # 2 ranks of 1, the default shard level (ZeRO-1)
     assert events_of(out, "run_start")[0]["layout"]["world_size"] == 2
     ck = events_of(out, "checkpoint")
     assert [c["step"] for c in ck] == [3, 6] and all(c["ranks_in_sync"] for c in ck)
@@ -52,7 +48,7 @@ def test_two_process_gloo_ddp_keeps_ranks_identical_and_equals_one_process_accum
         ("half", {}),
         ("chunked", {"loss_chunk_rows": 7}),
     ):
-        one = cfg_file(tmp_path, tiny_target, tiny_data, name=name, **extra, **common)
+        one = cfg_file(tmp_path, tiny_target, tiny_data, name=name, **extra, **COMMON)
         r = run_train(one)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     acc_steps = events_of(tmp_path / "accum", "step")
@@ -60,7 +56,7 @@ def test_two_process_gloo_ddp_keeps_ranks_identical_and_equals_one_process_accum
     assert events_of(tmp_path / "accum", "run_start")[0]["totals"]["max_tokens_per_step"] == 512
     # the loss and the gradient's norm before clipping (clipping and Adam would hide a mis-scaled sum)
     assert [(s["loss"], s["grad_norm"]) for s in acc_steps] == [(s["loss"], s["grad_norm"]) for s in steps]
-    ddp, acc, half = (final_weights(tmp_path / n) for n in ("run", "accum", "half"))
+    ddp, acc, half = (final_weights(d) for d in (out, tmp_path / "accum", tmp_path / "half"))
     differ = [k for k in ddp if not torch.equal(ddp[k], acc[k])]
     assert not differ, f"2 ranks vs 1 process accumulating: {differ} differ (2 ranks reduce exactly)"
     control = sum(float((ddp[k] - half[k]).double().norm()) for k in ddp)
@@ -124,15 +120,11 @@ def test_a_rank_that_diverges_stops_the_run_loudly(tmp_path, tiny_target, tiny_d
     assert not [e for e in events_of(out, "step") if e["step"] > 3], "no step after the divergence"
 
 
-def test_zero1_shards_adam_moments_and_resumes_exactly(tmp_path, tiny_target, tiny_data):
+def test_zero1_shards_adam_moments_and_resumes_exactly(tmp_path, tiny_target, tiny_data, ddp_run):
     """train.shard optimizer (default): each of 2 gloo ranks holds about half the Adam moments
     (counted on the rank's own optimizer), the checkpoint holds the full state, and a resume from it
     continues exactly like the uninterrupted run; plain AdamW on both ranks trains the same weights."""
-
-    ref = cfg_file(tmp_path, tiny_target, tiny_data, name="ref", max_steps=6, checkpoint_every=3)
-    res = run_torchrun(ref)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    out = tmp_path / "ref"
+    out = ddp_run  # the uninterrupted run
     start = events_of(out, "run_start")[0]
     assert start["layout"]["optimizer"] == "ZeroRedundancyOptimizer(AdamW)"
     total = 2 * start["layout"]["drafter_trainable_params"]  # exp_avg + exp_avg_sq
@@ -150,9 +142,7 @@ def test_zero1_shards_adam_moments_and_resumes_exactly(tmp_path, tiny_target, ti
     assert saved == total, "the checkpoint holds the consolidated (full) optimizer state"
 
     resumed = only_checkpoint(out, tmp_path / "resumed")  # the run resumes from ref's step 3
-    res = run_torchrun(
-        cfg_file(tmp_path, tiny_target, tiny_data, name="resumed", max_steps=6, checkpoint_every=3)
-    )
+    res = run_torchrun(cfg_file(tmp_path, tiny_target, tiny_data, name="resumed", **COMMON))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert events_of(resumed, "run_start")[-1]["resumed_from"] == "step-00000003"
     ref_loss = {s["step"]: s["loss"] for s in events_of(out, "step")}
@@ -162,15 +152,7 @@ def test_zero1_shards_adam_moments_and_resumes_exactly(tmp_path, tiny_target, ti
         "resumed ZeRO run differs from the uninterrupted one"
     )
 
-    plain = cfg_file(
-        tmp_path,
-        tiny_target,
-        tiny_data,
-        name="plain",
-        max_steps=6,
-        checkpoint_every=3,
-        shard="none",
-    )
+    plain = cfg_file(tmp_path, tiny_target, tiny_data, name="plain", shard="none", **COMMON)
     res = run_torchrun(plain)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     ck = events_of(tmp_path / "plain", "checkpoint")[-1]
