@@ -20,3 +20,16 @@ def ddp_run(tiny_target, tiny_data, tmp_path_factory) -> Path:
     res = run_torchrun(cfg_file(root, tiny_target, tiny_data, name="run", **COMMON))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return root / "run"
+
+
+@pytest.fixture(scope="session")
+def ddp_unsharded_run(tiny_target, tiny_data, tmp_path_factory) -> Path:
+    """The same run with `train.shard: none` (DDP, plain AdamW on each rank): what ZeRO-1 must train
+    to rounding and what FSDP2 must end at, and whose step-3 checkpoint FSDP2 resumes (one format)."""
+    from tests.integration.test_train import cfg_file
+    from tests.integration.test_train_ranks import COMMON, run_torchrun
+
+    root = tmp_path_factory.mktemp("ddp-unsharded")
+    res = run_torchrun(cfg_file(root, tiny_target, tiny_data, name="run", shard="none", **COMMON))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return root / "run"

@@ -120,7 +120,9 @@ def test_a_rank_that_diverges_stops_the_run_loudly(tmp_path, tiny_target, tiny_d
     assert not [e for e in events_of(out, "step") if e["step"] > 3], "no step after the divergence"
 
 
-def test_zero1_shards_adam_moments_and_resumes_exactly(tmp_path, tiny_target, tiny_data, ddp_run):
+def test_zero1_shards_adam_moments_and_resumes_exactly(
+    tmp_path, tiny_target, tiny_data, ddp_run, ddp_unsharded_run
+):
     """train.shard optimizer (default): each of 2 gloo ranks holds about half the Adam moments
     (counted on the rank's own optimizer), the checkpoint holds the full state, and a resume from it
     continues exactly like the uninterrupted run; plain AdamW on both ranks trains the same weights."""
@@ -152,13 +154,11 @@ def test_zero1_shards_adam_moments_and_resumes_exactly(tmp_path, tiny_target, ti
         "resumed ZeRO run differs from the uninterrupted one"
     )
 
-    plain = cfg_file(tmp_path, tiny_target, tiny_data, name="plain", shard="none", **COMMON)
-    res = run_torchrun(plain)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    ck = events_of(tmp_path / "plain", "checkpoint")[-1]
+    plain = ddp_unsharded_run
+    ck = events_of(plain, "checkpoint")[-1]
     assert not ck["optimizer_sharded"] and ck["moment_numel_per_rank"] == [total, total]
-    assert events_of(tmp_path / "plain", "run_start")[0]["layout"]["optimizer"] == "AdamW"
-    c = final_weights(tmp_path / "plain")
+    assert events_of(plain, "run_start")[0]["layout"]["optimizer"] == "AdamW"
+    c = final_weights(plain)
     for k in a:
         torch.testing.assert_close(a[k], c[k], rtol=1e-5, atol=1e-6)
 
@@ -167,7 +167,7 @@ COMMON = {"max_steps": 6, "checkpoint_every": 3, "max_anchors": 512}
 
 
 def test_fsdp_trains_like_ddp_resumes_exactly_after_kill_9_and_reloads_in_speculators(
-    tmp_path, tiny_target, tiny_data
+    tmp_path, tiny_target, tiny_data, ddp_unsharded_run
 ):
     """Each rank holds about half the weights' moments; the run ends where the DDP run of the same
     seed ends (reduce-scatter vs all-reduce: to rounding); a run killed with SIGKILL in step 5 resumes
@@ -202,10 +202,7 @@ def test_fsdp_trains_like_ddp_resumes_exactly_after_kill_9_and_reloads_in_specul
     assert all(torch.equal(own[k], v) for k, v in saved.items())
     assert sum(v.numel() for v in saved.values()) >= start["layout"]["drafter_trainable_params"]
 
-    ddp = cfg_file(tmp_path, tiny_target, tiny_data, name="ddp", shard="none", **COMMON)
-    res = run_torchrun(ddp)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    a, b = final_weights(out), final_weights(tmp_path / "ddp")
+    a, b = final_weights(out), final_weights(ddp_unsharded_run)
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
@@ -216,7 +213,7 @@ def test_fsdp_trains_like_ddp_resumes_exactly_after_kill_9_and_reloads_in_specul
     assert moved > 1e-3, "steps 4-6 changed the weights (the comparison is not between two idle runs)"
 
     # one checkpoint format whatever the level: the DDP run's step-3 checkpoint resumed under FSDP
-    cross = only_checkpoint(tmp_path / "ddp", tmp_path / "cross")
+    cross = only_checkpoint(ddp_unsharded_run, tmp_path / "cross")
     res = run_torchrun(cfg_file(tmp_path, tiny_target, tiny_data, name="cross", shard="full", **COMMON))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert events_of(cross, "run_start")[-1]["resumed_from"] == "step-00000003"
