@@ -229,8 +229,8 @@ def test_resumes_after_kill_9_with_the_same_result(chat_target, tmp_path, capsys
 
     resume = RegenOptions(chat_target, prompts, out, max_new_tokens=32, batch_size=2)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("trainer.regenerate.shutil.rmtree", rmtree_after_look)
-        mp.setattr("trainer.regenerate.make_backend", make_recording_backend)
+        mp.setattr("trainer.regenerate.command.shutil.rmtree", rmtree_after_look)
+        mp.setattr("trainer.regenerate.command.make_backend", make_recording_backend)
         regenerate(resume)
     assert len(made) == 1
     backend = made[0]

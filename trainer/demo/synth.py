@@ -1,6 +1,6 @@
 """Small target-generated datasets: prompts -> the target's own greedy continuation, loss mask over
 the continuation only. Used by the tests and the embedded demo. Both helpers go through the one
-generation path of `dflash regenerate` (trainer/regenerate.py). Heavy side."""
+generation path of `dflash regenerate` (trainer/regenerate/). Heavy side."""
 
 from __future__ import annotations
 

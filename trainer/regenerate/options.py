@@ -1,0 +1,79 @@
+"""`RegenOptions` (what `dflash regenerate` is asked) and the argument checks done before any work."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from trainer.regenerate.meta import BACKENDS, RegenerateError
+
+
+@dataclass
+class RegenOptions:
+    target: Path
+    prompts: Path
+    out: Path
+    max_new_tokens: int = 256
+    batch_size: int = 16
+    chat_template: bool | None = None
+    thinking: str | None = None
+    limit: int | None = None
+    backend: str = "transformers"
+    device: str = "auto"
+    ignore_eos: bool = False
+    dtype: str = "auto"  # the vLLM backend's (auto: the model's; float32 for token-exact CPU checks)
+    tensor_parallel_size: int = 1  # the vLLM backend's
+    servers: tuple[str, ...] = ()  # the server backend's URLs (OpenAI-compatible engines already running)
+    concurrency: int = 16  # the server backend's requests in flight, per server
+    request_timeout_s: float = 600.0  # the server backend's, per request
+    retries: int = 4  # the server backend's, per request (exponential backoff)
+    server_wait_s: float = 0.0  # the server backend's: how long to wait for engines still loading
+    max_empty_share: float = 0.02  # more empty responses than this share refuses the run
+    run_dir: Path | None = None  # where the event stream goes (monitor page, dflash status)
+    push_to: str | None = None  # s3://bucket/prefix: batches and the dataset are pushed there
+    endpoint_url: str | None = None  # the S3 endpoint (radosgw, MinIO); None: AWS
+    push_every_s: float = 60.0  # at most one push of the finished batches per this many seconds
+
+
+def check_options(opts: RegenOptions) -> None:
+    """Every argument error, before the tokenizer, the model or the engine is touched."""
+    if opts.max_new_tokens < 1 or opts.batch_size < 1:
+        raise RegenerateError("--max-new-tokens and --batch-size must be at least 1")
+    if opts.backend not in BACKENDS:
+        raise RegenerateError(f"--backend {opts.backend!r}: choose one of {', '.join(BACKENDS)}")
+    if opts.backend != "vllm" and (opts.tensor_parallel_size != 1 or opts.dtype != "auto"):
+        raise RegenerateError("--tensor-parallel-size and --dtype are settings of --backend vllm")
+    if bool(opts.servers) != (opts.backend == "server"):
+        raise RegenerateError(
+            "--server URL is a backend of its own (the engine is already running there): drop --backend"
+            if opts.servers
+            else "the server backend needs --server URL"
+        )
+    if opts.backend != "server" and (
+        opts.concurrency != 16 or opts.request_timeout_s != 600 or opts.retries != 4 or opts.server_wait_s
+    ):
+        raise RegenerateError(
+            "--concurrency, --request-timeout, --retries and --server-wait are settings of --server"
+        )
+    if opts.concurrency < 1 or opts.request_timeout_s <= 0 or opts.retries < 0 or opts.server_wait_s < 0:
+        raise RegenerateError(
+            "--concurrency must be >= 1, --request-timeout > 0, --retries and --server-wait >= 0"
+        )
+    if opts.tensor_parallel_size < 1:
+        raise RegenerateError(f"--tensor-parallel-size {opts.tensor_parallel_size}: must be at least 1")
+    if not 0.0 <= opts.max_empty_share <= 1.0:
+        raise RegenerateError(f"--max-empty-share {opts.max_empty_share}: a share between 0 and 1")
+    if opts.push_to is not None:
+        from trainer.s3 import S3Error
+        from trainer.s3.client import parse_s3_url
+
+        try:
+            parse_s3_url(opts.push_to)
+        except S3Error as exc:
+            raise RegenerateError(str(exc).replace("--s3", "--push-to", 1)) from None
+    elif opts.endpoint_url is not None:
+        raise RegenerateError("--endpoint-url is a setting of --push-to")
+    if not (Path(opts.target) / "config.json").is_file():
+        raise RegenerateError(
+            f"--target {opts.target}: no config.json (a transformers model folder is needed)"
+        )
