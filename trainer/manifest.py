@@ -33,7 +33,14 @@ from trainer.fsutil import atomic_write_text, sha256_file
 
 MANIFEST_VERSION = 1
 # Partial-transfer folders (rsync --partial-dir of the data_sync role; `dflash s3 pull`): never data.
-ALWAYS_EXCLUDED = (".rsync-partial", ".rsync-partial/*", ".s3-partial", ".s3-partial/*")
+ALWAYS_EXCLUDED = (
+    ".rsync-partial",
+    ".rsync-partial/*",
+    ".s3-partial",
+    ".s3-partial/*",
+    ".hf-partial",
+    ".hf-partial/*",
+)
 # A set's own manifest inside it (a salvage set, an S3 prefix); a synced folder's manifest lives beside it.
 MANIFEST_NAME = "MANIFEST.json"
 

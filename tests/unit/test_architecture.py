@@ -60,6 +60,7 @@ LIGHT = (
     "trainer.s3.client",
     "trainer.s3.pull",
     "trainer.s3.push",
+    "trainer.hub",
     "trainer.salvage.collect",
     "trainer.salvage.select",
     "trainer.salvage.facts",

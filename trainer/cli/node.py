@@ -1,5 +1,6 @@
 """The verbs the roles call about a node and its files: `dflash plan` (the layout), `gpu` (facts and
-the driver/CUDA decision), `manifest` (sha256 of a folder) and `s3` (a folder to S3 and back).
+the driver/CUDA decision), `manifest` (sha256 of a folder), `s3` (a folder to S3 and back) and `hub` (a
+model repo from the Hugging Face Hub).
 
 Argument definitions only; each handler imports its (light) module when it runs."""
 
@@ -65,6 +66,33 @@ def _s3(args) -> int:
         print(text + ("" if not args.check else " (--check: nothing moved)"))
         for f in failed:
             print(f"FAILED {f['path']}: {f['error']}", file=sys.stderr)
+    return ExitCode.OK if report["ok"] else ExitCode.FAILED
+
+
+def _hub(args) -> int:
+    from trainer.hub import pull
+
+    report = pull(
+        args.spec,
+        Path(args.dir),
+        args.revision,
+        args.token_file,
+        args.endpoint,
+        args.check,
+        args.workers,
+        not args.no_progress,
+    )
+    if args.json:
+        print(json.dumps({k: v for k, v in report.items() if k != "plan" or args.check}))
+    else:
+        print(
+            f"{report['dest']}: {report['hub']} (commit {report['commit']}): {report['files']} files, "
+            f"{report['bytes']} bytes; {report['present']} already there, {report['downloaded']} "
+            f"downloaded ({report['downloaded_bytes']} bytes, {report['resumed_bytes']} bytes resumed)"
+            + (" (--check: nothing moved)" if args.check else "")
+        )
+    for f in report["failed"]:
+        print(f"FAILED {f['path']}: {f['error']}", file=sys.stderr)
     return ExitCode.OK if report["ok"] else ExitCode.FAILED
 
 
@@ -283,6 +311,26 @@ def register(sub) -> None:
         q.add_argument("--no-progress", action="store_true", help="no byte progress on stderr")
         q.add_argument("--json", action="store_true", help="one JSON report on stdout")
         q.set_defaults(func=_s3)
+
+    p = sub.add_parser("hub", help="download a model repo from the Hugging Face Hub, every file proven")
+    hsub = p.add_subparsers(dest="hub_cmd", required=True, metavar="ACTION")
+    h = hsub.add_parser(
+        "pull",
+        help="download hf://REPO@REVISION into DIR on this machine, resumable, each file checked against "
+        "the Hub's sha256 (LFS) or git blob id; writes DIR.manifest.json",
+    )
+    h.add_argument("spec", metavar="hf://REPO@REVISION")
+    h.add_argument("dir", metavar="DIR")
+    h.add_argument("--revision", help="branch, tag or commit (default: the spec's @REVISION, else main)")
+    h.add_argument(
+        "--token-file", help="file holding the Hub token (default: huggingface_hub's own: HF_TOKEN, login)"
+    )
+    h.add_argument("--endpoint", help="Hub endpoint (default: HF_ENDPOINT, else https://huggingface.co)")
+    h.add_argument("--check", action="store_true", help="say what would move, move nothing")
+    h.add_argument("--workers", type=positive, default=4, help="parallel downloads (default 4)")
+    h.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
+    h.add_argument("--json", action="store_true", help="one JSON report on stdout")
+    h.set_defaults(func=_hub)
 
     p = sub.add_parser("gpu", help="GPU facts from nvidia-smi output, and the driver/CUDA decision")
     gsub = p.add_subparsers(dest="gpu_cmd", required=True, metavar="ACTION")

@@ -1,0 +1,317 @@
+"""A model repo from the Hugging Face Hub onto this machine, every file proven (`dflash hub pull`).
+
+`pull hf://REPO@REVISION DIR` (the data_sync role's `hf` source) runs on the node, so a 65 GB target
+never travels through the controller. It asks the Hub for the repo's file list at REVISION with each
+file's metadata (`model_info(files_metadata=True)`: size, git blob id, and for LFS files the LFS
+object's sha256), resolves REVISION to its commit and downloads every file of that commit, pinned:
+
+- a file already in DIR whose bytes match the Hub's digest is kept (a second pull moves 0 bytes);
+- otherwise it is downloaded into `DIR/.hf-partial/<path>` with huggingface_hub's own HTTP download
+  (`http_get`, resumable by Range). A pull killed mid-file leaves that partial and the file's ETag
+  beside it; the next pull asks only for the missing bytes when the ETag is unchanged;
+- the complete file is checked: an LFS file's sha256 against the Hub's `lfs.sha256`, any other file
+  (small text: config.json, tokenizer files) against the Hub's git blob id (sha1 of `blob SIZE\\0` +
+  bytes, git's object id). Only a match is renamed into place; a mismatch is deleted (never under
+  its final name), named in the report, and the pull exits 1. A resumed file that fails is fetched
+  once more from the start (the partial may be stale); a fresh one is not.
+
+It finishes by writing the manifest beside DIR (`DIR.manifest.json`, the format of
+trainer/manifest.py, `source: hf://REPO@COMMIT`), so `dflash manifest verify DIR DIR.manifest.json`
+re-proves the copy any time. The token is read from a file (`--token-file`, 0600, written by the role
+from the vault and removed afterwards): never in argv or the environment. HF_HUB_OFFLINE must be off
+for this verb (the trainer keeps it on). Light side: huggingface_hub is imported lazily, no torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from trainer.errors import DflashError, ExitCode
+from trainer.fsutil import atomic_write_text
+from trainer.manifest import MANIFEST_VERSION, ManifestError, check_rel, manifest_beside
+
+PARTIAL_DIR = ".hf-partial"
+MiB = 2**20
+_REPO = r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}(?:/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?"
+_SPEC = re.compile(rf"^(?:hf://)?(?P<repo>{_REPO})(?:@(?P<rev>[A-Za-z0-9][A-Za-z0-9._/-]{{0,199}}))?$")
+
+
+class HubError(DflashError):
+    """Bad input (a malformed spec, an unreadable token file, a repo or revision the Hub does not
+    have): refused before anything is written."""
+
+
+class HubFailed(DflashError):
+    """The Hub could not be reached or answered wrongly part way."""
+
+    exit_code = ExitCode.FAILED
+
+
+def parse_spec(spec: str, revision: str | None = None) -> tuple[str, str]:
+    """`hf://ORG/NAME@REV`, `ORG/NAME@REV` or `ORG/NAME` (+ `revision`) -> (repo, revision);
+    the revision defaults to `main`. A revision both in the spec and in `revision` must agree."""
+    m = _SPEC.match(spec or "")
+    if not m or ".." in m["repo"] or (m["rev"] and ".." in m["rev"]):
+        raise HubError(
+            f"{spec!r} is not a Hub repo: expected hf://ORG/NAME@REVISION (or ORG/NAME with --revision)"
+        )
+    if m["rev"] and revision and m["rev"] != revision:
+        raise HubError(f"{spec!r} names revision {m['rev']!r} but --revision says {revision!r}")
+    return m["repo"], m["rev"] or revision or "main"
+
+
+def read_token(path: str | os.PathLike | None) -> str | None:
+    """The token in `path` (stripped), None without a path; a named file that is missing or empty is
+    an error (exit 2), never a silent anonymous pull."""
+    if path is None:
+        return None
+    p = Path(path)
+    try:
+        token = p.read_text().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise HubError(f"token file {p}: {exc.strerror if isinstance(exc, OSError) else exc}") from None
+    if not token:
+        raise HubError(f"token file {p} is empty")
+    return token
+
+
+def digests(path: Path) -> tuple[str, str]:
+    """(sha256, git blob id) of a file in one read."""
+    sha, blob = hashlib.sha256(), hashlib.sha1()  # noqa: S324 - git's object id, not a security hash
+    blob.update(f"blob {path.stat().st_size}\0".encode())
+    with open(path, "rb") as fh:
+        while chunk := fh.read(MiB):
+            sha.update(chunk)
+            blob.update(chunk)
+    return sha.hexdigest(), blob.hexdigest()
+
+
+def _matches(entry: dict[str, Any], size: int, sha256: str, blob: str) -> bool:
+    if size != entry["size"]:
+        return False
+    return sha256 == entry["lfs_sha256"] if entry["lfs_sha256"] else blob == entry["blob_id"]
+
+
+def _why(entry: dict[str, Any], size: int, sha256: str, blob: str) -> str:
+    if size != entry["size"]:
+        return f"{size} bytes, the Hub says {entry['size']}"
+    if entry["lfs_sha256"]:
+        return f"sha256 {sha256[:12]}..., the Hub's LFS sha256 is {entry['lfs_sha256'][:12]}..."
+    return f"git blob id {blob[:12]}..., the Hub's is {entry['blob_id'][:12]}..."
+
+
+def _listing(api, repo: str, revision: str) -> tuple[str, dict[str, dict[str, Any]]]:
+    """(commit, rel -> {size, lfs_sha256, blob_id}) from the Hub's file metadata."""
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    try:
+        info = api.model_info(repo, revision=revision, files_metadata=True)
+    except (RepositoryNotFoundError, RevisionNotFoundError, GatedRepoError) as exc:
+        raise HubError(f"hf://{repo}@{revision}: {type(exc).__name__}: {str(exc).splitlines()[0]}") from None
+    except (HfHubHTTPError, OSError) as exc:
+        raise HubFailed(f"hf://{repo}@{revision}: the Hub did not answer: {exc}") from None
+    files: dict[str, dict[str, Any]] = {}
+    for s in info.siblings or []:
+        try:
+            check_rel(s.rfilename, f"hf://{repo}")
+        except ManifestError as exc:
+            raise HubFailed(str(exc)) from None
+        lfs = s.lfs
+        size = lfs.size if lfs else s.size
+        if size is None or (not lfs and not s.blob_id):
+            raise HubFailed(f"hf://{repo}@{revision}: the Hub gave no size or blob id for {s.rfilename}")
+        files[s.rfilename] = {"size": size, "lfs_sha256": lfs.sha256 if lfs else None, "blob_id": s.blob_id}
+    if not info.sha:
+        raise HubFailed(f"hf://{repo}@{revision}: the Hub did not name the commit")
+    return info.sha, files
+
+
+def _local_state(path: Path, entry: dict[str, Any]) -> tuple[str, str | None]:
+    """('same', sha256) | ('missing', None) | ('differs', None) for a destination file."""
+    if path.is_symlink() or not path.is_file():
+        return ("missing" if not path.exists() and not path.is_symlink() else "differs"), None
+    if path.stat().st_size != entry["size"]:
+        return "differs", None
+    sha, blob = digests(path)
+    return ("same", sha) if _matches(entry, entry["size"], sha, blob) else ("differs", None)
+
+
+def _fetch(url: str, token: str | None, entry: dict[str, Any], part: Path, endpoint: str) -> dict[str, Any]:
+    """Download one file into `part`, resuming a partial of the same ETag (huggingface_hub's
+    get_hf_file_metadata + http_get); returns what moved and the file's digests."""
+    from huggingface_hub import get_hf_file_metadata
+    from huggingface_hub.file_download import http_get
+    from huggingface_hub.utils import build_hf_headers
+
+    meta = get_hf_file_metadata(url, token=token, endpoint=endpoint)
+    tag_file = part.with_name(part.name + ".etag")
+    part.parent.mkdir(parents=True, exist_ok=True)
+    tag = json.dumps({"url": url, "etag": meta.etag})
+    offset = 0
+    if (
+        part.is_file()
+        and tag_file.is_file()
+        and tag_file.read_text() == tag
+        and part.stat().st_size <= entry["size"]
+    ):
+        offset = part.stat().st_size
+    else:
+        part.unlink(missing_ok=True)
+        atomic_write_text(tag_file, tag)
+    headers = build_hf_headers(token=token)
+    headers["Accept-Encoding"] = "identity"
+    with open(part, "ab") as fh:
+        http_get(
+            meta.location,
+            fh,
+            resume_size=offset,
+            headers=headers,
+            expected_size=entry["size"],
+            displayed_filename=part.name,
+        )
+        fh.flush()
+        os.fsync(fh.fileno())  # on disk before a rename makes it the real file
+    size = part.stat().st_size
+    sha, blob = digests(part)
+    return {"resumed_from": offset, "bytes": size - offset, "size": size, "sha256": sha, "blob": blob}
+
+
+def pull(
+    spec: str,
+    dest: Path,
+    revision: str | None = None,
+    token_file: str | None = None,
+    endpoint: str | None = None,
+    check: bool = False,
+    workers: int = 4,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Copy the Hub repo `spec` at its revision into `dest`, resumable, every file proven. Returns the
+    report (`ok` false when a file was refused); raises HubError on bad input before writing."""
+    repo, rev = parse_spec(spec, revision)
+    token = read_token(token_file)
+    dest = Path(dest)
+    if dest.exists() and not dest.is_dir():
+        raise HubError(f"destination {dest} exists and is not a folder")
+    from huggingface_hub import HfApi, constants, hf_hub_url
+    from huggingface_hub.utils import disable_progress_bars
+
+    if constants.HF_HUB_OFFLINE:
+        raise HubError(
+            "HF_HUB_OFFLINE is set: `dflash hub pull` downloads, so run it without it (the trainer keeps it)"
+        )
+    if not progress:
+        disable_progress_bars()
+    endpoint = (endpoint or constants.ENDPOINT).rstrip("/")
+    api = HfApi(endpoint=endpoint, token=token if token else False)
+    commit, files = _listing(api, repo, rev)
+
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(max(1, min(4, workers))) as pool:
+        states = dict(zip(files, pool.map(lambda r: _local_state(dest / r, files[r]), files)))
+    todo = sorted(r for r, (s, _) in states.items() if s != "same")
+    partial_root = dest / PARTIAL_DIR
+    have = {r: (partial_root / r).stat().st_size for r in todo if (partial_root / r).is_file()}
+    need = sum(files[r]["size"] - min(have.get(r, 0), files[r]["size"]) for r in todo)
+    free_at = dest if dest.exists() else next(p for p in dest.parents if p.exists())
+    free = shutil.disk_usage(free_at).free
+    report: dict[str, Any] = {
+        "hub": f"hf://{repo}@{rev}",
+        "commit": commit,
+        "dest": str(dest),
+        "check": check,
+        "files": len(files),
+        "bytes": sum(e["size"] for e in files.values()),
+        "present": len(files) - len(todo),
+        "to_download": len(todo),
+        "to_download_bytes": need,
+        "plan": [
+            {"path": r, "why": states[r][0], "size": files[r]["size"], "partial_bytes": have.get(r, 0)}
+            for r in todo
+        ],
+    }
+    if need > free:
+        raise HubError(
+            f"{dest}: {need / 2**30:.2f} GiB to download but only {free / 2**30:.2f} GiB free on "
+            f"{free_at}; nothing was downloaded"
+        )
+    if check:
+        report.update(downloaded=0, downloaded_bytes=0, resumed_bytes=0, failed=[], ok=True)
+        report["seconds"] = round(time.monotonic() - t0, 3)
+        return report
+
+    dest.mkdir(parents=True, exist_ok=True)
+    sums = {r: sha for r, (s, sha) in states.items() if s == "same"}
+    lock = threading.Lock()
+
+    def one(rel: str) -> dict[str, Any]:
+        entry, part = files[rel], partial_root / rel
+        url = hf_hub_url(repo, rel, revision=commit, endpoint=endpoint)
+        res: dict[str, Any] = {"path": rel, "bytes": 0, "resumed_from": 0}
+        try:
+            for attempt in range(2):
+                got = _fetch(url, token, entry, part, endpoint)
+                res["bytes"] += got["bytes"]
+                if attempt == 0:
+                    res["resumed_from"] = got["resumed_from"]
+                if _matches(entry, got["size"], got["sha256"], got["blob"]):
+                    os.chmod(part, 0o644)
+                    (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+                    os.replace(part, dest / rel)
+                    part.with_name(part.name + ".etag").unlink(missing_ok=True)
+                    with lock:
+                        sums[rel] = got["sha256"]
+                    res["ok"] = True
+                    return res
+                why = _why(entry, got["size"], got["sha256"], got["blob"])
+                part.unlink(missing_ok=True)  # refused: never left under its final name
+                part.with_name(part.name + ".etag").unlink(missing_ok=True)
+                if got["resumed_from"] == 0:
+                    break  # a fresh download that is wrong: the Hub serves other bytes than it names
+            res.update(ok=False, error=f"refused: {why} (deleted, not placed)")
+        except Exception as exc:  # noqa: BLE001 - one failed file must not hide the others' results
+            res.update(ok=False, error=f"{type(exc).__name__}: {exc}")
+        return res
+
+    with ThreadPoolExecutor(max(1, workers)) as pool:
+        results = list(pool.map(one, todo))
+    failed = [{"path": r["path"], "error": r["error"]} for r in results if not r["ok"]]
+    if not failed:
+        shutil.rmtree(partial_root, ignore_errors=True)
+        entries = {}
+        for rel in sorted(files):
+            st = (dest / rel).stat()
+            entries[rel] = {"size": st.st_size, "sha256": sums[rel], "mtime_ns": st.st_mtime_ns}
+        manifest = {
+            "manifest_version": MANIFEST_VERSION,
+            "created": round(time.time(), 3),
+            "source": f"hf://{repo}@{commit}",
+            "file_count": len(entries),
+            "total_bytes": sum(e["size"] for e in entries.values()),
+            "files": entries,
+        }
+        atomic_write_text(manifest_beside(dest), json.dumps(manifest, indent=1) + "\n")
+    report.update(
+        downloaded=sum(r["ok"] for r in results),
+        downloaded_bytes=sum(r["bytes"] for r in results),
+        resumed_bytes=sum(r["resumed_from"] for r in results),
+        failed=failed,
+        manifest=None if failed else str(manifest_beside(dest)),
+        ok=not failed,
+        seconds=round(time.monotonic() - t0, 3),
+    )
+    return report
