@@ -315,3 +315,18 @@ def pull(
         seconds=round(time.monotonic() - t0, 3),
     )
     return report
+
+
+def fetch_file(spec: str, filename: str = "config.json", endpoint: str | None = None) -> Path:
+    """One file of a Hub repo on this machine (huggingface_hub's cache; its token: HF_TOKEN or the
+    login): `dflash plan --target-config hf://REPO@REVISION` reads the target's config.json without a
+    copy of the target on the controller. With HF_HUB_OFFLINE set, only a cached copy is found."""
+    repo, rev = parse_spec(spec)
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        return Path(hf_hub_download(repo, filename, revision=rev, endpoint=endpoint))
+    except (EntryNotFoundError, LocalEntryNotFoundError, HfHubHTTPError, OSError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        raise HubError(f"{filename} of hf://{repo}@{rev}: {type(exc).__name__}: {first}") from None

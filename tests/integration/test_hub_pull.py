@@ -178,3 +178,32 @@ def test_the_token_comes_from_its_file_and_offline_mode_is_refused(tmp_path, sta
         text=True,
     )
     assert offline.returncode == 2 and "HF_HUB_OFFLINE is set" in offline.stderr
+
+
+def test_plan_reads_the_targets_config_from_the_same_hub_source(tmp_path, standin, repo_dir):
+    """No copy of the target on the controller: `dflash plan --target-config hf://REPO@REVISION`."""
+    args = ["plan", "--gpu", "H200", "--gpu-count", "1", "--json"]
+    e = {**env(), "HF_ENDPOINT": standin.endpoint, "HF_HOME": str(tmp_path / "hf")}
+    hub_plan = subprocess.run(
+        [*DFLASH, *args, "--target-config", f"hf://{REPO}@main"], env=e, capture_output=True, text=True
+    )
+    assert hub_plan.returncode == 0, hub_plan.stderr
+    local = subprocess.run(
+        [*DFLASH, *args, "--target-config", str(repo_dir / "config.json")],
+        env=e,
+        capture_output=True,
+        text=True,
+    )
+    a, b = json.loads(hub_plan.stdout), json.loads(local.stdout)
+    paths = {k for k, v in b["target"].items() if str(repo_dir) in str(v)}  # where it was read from
+    assert {k: v for k, v in a["target"].items() if k not in paths} == {
+        k: v for k, v in b["target"].items() if k not in paths
+    }
+    assert {k: v for k, v in a.items() if k != "target"} == {k: v for k, v in b.items() if k != "target"}
+    missing = subprocess.run(
+        [*DFLASH, *args, "--target-config", "hf://tiny-org/absent@main"],
+        env=e,
+        capture_output=True,
+        text=True,
+    )
+    assert missing.returncode == 2 and "config.json of hf://tiny-org/absent@main" in missing.stderr

@@ -178,7 +178,8 @@ def register(sub) -> None:
     p.add_argument(
         "--target-config",
         metavar="FILE",
-        help="the target's config.json (or its folder); with --config: a copy of target.path's here",
+        help="the target's config.json (or its folder, or hf://REPO@REVISION: its config.json from the Hub); "
+        "with --config: a copy of target.path's here",
     )
     p.add_argument("--gpu", help="GPU kind: A100-40GB, A100-80GB, H100-80GB, H200, B200, RTX-PRO-6000-96GB")
     p.add_argument("--gpu-count", type=positive, help="GPUs on the node")

@@ -72,6 +72,15 @@ def plan_inputs(args) -> PlanInputs:
     return from_config(args) if args.config else from_flags(args)
 
 
+def target_config_path(value: str) -> Path:
+    """--target-config: a file or folder here, or hf://REPO@REVISION (its config.json from the Hub)."""
+    if value.startswith("hf://"):
+        from trainer.hub import fetch_file
+
+        return fetch_file(value)
+    return Path(value)
+
+
 def from_flags(args) -> PlanInputs:
     if not args.target_config:
         raise PlanError("pass --config RUN.yaml, or --target-config FILE and the recipe flags")
@@ -97,7 +106,9 @@ def from_flags(args) -> PlanInputs:
         draft_vocab=v["draft_vocab_size"],
         optimizer=v["optimizer"],
     )
-    return PlanInputs(Path(args.target_config), v["dtype"], recipe, v["source"], v["gpus_per_copy"], None)
+    return PlanInputs(
+        target_config_path(args.target_config), v["dtype"], recipe, v["source"], v["gpus_per_copy"], None
+    )
 
 
 def _read(path: str):
@@ -122,7 +133,7 @@ def from_config(args) -> PlanInputs:
             f"{args.config}: train.device cpu, but the plan is for GPUs: leave train.device out (the plan "
             "sets cuda on a GPU node)"
         )
-    path = Path(args.target_config) if args.target_config else target.path
+    path = target_config_path(args.target_config) if args.target_config else target.path
     if not args.target_config and not (path / "config.json").is_file():
         raise PlanError(
             f"the target's config.json is not readable at target.path {path} on this machine: pass "
