@@ -152,7 +152,11 @@ def test_dataset_format_mask_stop_rule_metadata_and_data_gate(chat_target, tmp_p
         )
     )
     ds = datasets.load_from_disk(str(out))
-    assert ds.column_names == ["input_ids", "loss_mask"] and len(ds) == 24
+    meta = read_data_meta(out)
+    # 24 prompts; the first is a conversation of two user turns: its second turn is a sample of its own
+    # when the target's first answer ended its turn (trainer/regenerate/turns.py)
+    assert meta["conversations"] == 24 and meta["turns"] == 25
+    assert ds.column_names == ["input_ids", "loss_mask"] and len(ds) == meta["samples"] >= 24
     tok = load_tokenizer(chat_target)
     stopped = 0
     for ids, mask in zip(ds["input_ids"], ds["loss_mask"]):
@@ -167,8 +171,7 @@ def test_dataset_format_mask_stop_rule_metadata_and_data_gate(chat_target, tmp_p
         assert IM_END not in response[:-1], "nothing may follow the end of turn"
         stopped += response[-1] == IM_END
         assert len(response) <= 40
-    meta = read_data_meta(out)
-    assert meta["stopped_by_stop_token"] == stopped > 0 and meta["samples"] == 24
+    assert meta["stopped_by_stop_token"] == stopped > 0
     assert meta["template"]["chat_template"] is True and meta["template"]["thinking"] == "off"
     assert meta["template"]["template_sha256"] and IM_END in meta["stop_token_ids"]
     assert meta["response_tokens_total"] == sum(sum(m) for m in ds["loss_mask"])
@@ -183,7 +186,7 @@ def test_dataset_format_mask_stop_rule_metadata_and_data_gate(chat_target, tmp_p
     )
     report = run_preflight(load_config(cfg))
     data_problems = [p for p in report.errors if p.code.startswith("data.")]
-    assert data_problems == [] and report.data["usable"] == 24
+    assert data_problems == [] and report.data["usable"] == len(ds)
 
 
 def test_resumes_after_kill_9_with_the_same_result(chat_target, tmp_path, capsys):
@@ -234,9 +237,12 @@ def test_resumes_after_kill_9_with_the_same_result(chat_target, tmp_path, capsys
         regenerate(resume)
     assert len(made) == 1
     backend = made[0]
-    assert f"resuming: {done_before} of 20 batches already done" in capsys.readouterr().out
-    assert backend.batches == 20 - done_before, "exactly the unfinished batches are generated"
-    assert backend.prompts == 2 * (20 - done_before)
+    # 20 batches of first answers, and one of second turns (prompt 0 is a two-turn conversation)
+    assert f"resuming: {done_before} of 21 batches already done" in capsys.readouterr().out
+    meta = read_data_meta(ref)
+    second_turns = meta["turns"] - meta["turns_not_reached"] - 40  # 1 when prompt 0's first answer ended
+    assert backend.batches == 20 - done_before + second_turns, "exactly the unfinished batches are generated"
+    assert backend.prompts == 2 * (20 - done_before) + second_turns
     assert seen_mtimes == finished, "finished batch files were not regenerated"
     a, b = datasets.load_from_disk(str(ref)), datasets.load_from_disk(str(out))
     assert a["input_ids"] == b["input_ids"] and a["loss_mask"] == b["loss_mask"]
@@ -613,3 +619,101 @@ def test_a_server_that_does_not_answer_is_refused_before_any_work(vllm_sized_tar
         env=ENV, capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
     assert res.returncode == 2 and "settings of --server" in res.stderr
+
+
+# ---------------------------------------------------------------- chat data in: dflash prompts -> regenerate
+def test_sharegpt_to_prompts_to_regenerate_every_assistant_turn_is_the_targets(chat_target, tmp_path, capsys):
+    """#34: a ShareGPT file with multi-turn rows, an empty row and a row ending on an assistant turn ->
+    `dflash prompts` -> `dflash regenerate` -> every assistant turn in the dataset is the target's, the
+    original answers appear nowhere, and the report counts what was dropped."""
+    from trainer.cli import main
+    from trainer.config import load_config
+    from trainer.eval.prompts import load_tokenizer
+    from trainer.preflight import run_preflight
+
+    def conv(*turns):
+        return {"conversations": [{"from": f, "value": v} for f, v in turns]}
+
+    original = "w500 w501 w502"  # every original assistant turn: none may reach the dataset
+    rows = [
+        conv(("human", "w11 w12 w13"), ("gpt", original), ("human", "w14 w15"), ("gpt", original)),
+        conv(
+            ("system", "w20"),
+            ("human", "w21 w22"),
+            ("gpt", original),
+            ("human", "w23"),
+            ("gpt", original),
+            ("human", "w24 w25"),
+        ),
+        conv(),  # empty row
+        conv(("human", "w30 w31"), ("gpt", original)),  # ends on an assistant turn
+        {**conv(("human", "w40 w41 w42")), "enable_thinking": True},
+        conv(("gpt", original)),  # no user turn
+    ]
+    src = tmp_path / "sharegpt.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    prompts = tmp_path / "prompts.jsonl"
+    assert (
+        main(["prompts", str(src), "--format", "sharegpt", "--out", str(prompts), "--thinking", "off"]) == 0
+    )
+    printed = capsys.readouterr().out
+    assert "4 of 6 rows kept" in printed and "empty row" in printed, printed
+    report = json.loads((tmp_path / "prompts.jsonl.report.json").read_text())
+    assert report["rows_dropped"] == 2 and report["answers_to_regenerate"] == 2 + 3 + 1 + 1
+    assert report["dropped"]["empty row"] == {"count": 1, "examples": [f"{src}:3"]}
+    assert report["dropped"]["no user turn"]["count"] == 1
+    assert report["turns"]["rows ending on an assistant turn (that turn is regenerated, not answered)"] == 2
+
+    out = tmp_path / "ds"
+    assert (
+        main(
+            [
+                "regenerate",
+                "--target",
+                str(chat_target),
+                "--prompts",
+                str(prompts),
+                "--out",
+                str(out),
+                "--max-new-tokens",
+                "8",
+                "--ignore-eos",
+                "--batch-size",
+                "4",
+                "--max-empty-share",
+                "0.5",
+            ]
+        )
+        == 0
+    )
+    meta = read_data_meta(out)
+    ds = datasets.load_from_disk(str(out))
+    tok = load_tokenizer(chat_target)
+    texts = [
+        (tok.decode(ids[: m.index(1)]), ids[m.index(1) :]) for ids, m in zip(ds["input_ids"], ds["loss_mask"])
+    ]
+    assert meta["conversations"] == 4 and meta["multi_turn_conversations"] == 2 and meta["turns"] == 7
+    assert meta["samples"] + meta["empty_left_out"] + meta["turns_not_reached"] == 7
+    assert meta["samples_per_turn"]["1"] + meta["empty_left_out"] >= 4  # every first turn was asked
+    for prompt, _ in texts:
+        assert original not in prompt, "an original assistant turn reached the dataset"
+        assert prompt.endswith("<|im_start|> assistant") or prompt.endswith("</think>")
+    # the turn-2 sample of conversation 1 holds the target's turn-1 answer as its history
+    first = [(p, r) for p, r in texts if p.startswith("<|im_start|> user w11 w12 w13") and "w14" not in p]
+    second = [(p, r) for p, r in texts if "w14 w15" in p]
+    assert len(first) == 1 and len(second) == 1
+    answer1 = tok.decode(first[0][1]).strip()  # --ignore-eos: no stop token to take off
+    assert f"<|im_start|> assistant {answer1} <|im_end|> <|im_start|> user w14 w15" in second[0][0]
+    # per-row thinking: the row with enable_thinking true has no empty think block, the others do
+    on = [p for p, _ in texts if "w40 w41 w42" in p]
+    assert on and on[0].endswith("<|im_start|> assistant"), on
+    cfg = write_config(
+        tmp_path / "run.yaml",
+        chat_target,
+        out,
+        tmp_path / "run",
+        drafter={"mask_token_id": 511},
+        preflight={"min_supervised_tokens": 2},
+    )
+    preflight = run_preflight(load_config(cfg))
+    assert [p for p in preflight.errors if p.code.startswith("data.")] == []

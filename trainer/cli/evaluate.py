@@ -1,4 +1,5 @@
-"""The verbs that use a trained drafter or the target: `dflash eval`, `export` and `regenerate`.
+"""The verbs that use a trained drafter or the target: `dflash eval`, `export`, `regenerate` and
+`prompts` (chat datasets into regenerate's prompt lines).
 Light at import: each handler imports its implementation when it runs."""
 
 from __future__ import annotations
@@ -114,6 +115,22 @@ def cmd_regenerate(args) -> int:
             push_every_s=args.push_every,
         )
     )
+    return 0
+
+
+def cmd_prompts(args) -> int:
+    from trainer.regenerate.chat_input import convert, summary
+
+    report = convert(
+        args.input,
+        args.format,
+        args.out,
+        thinking=args.thinking,
+        split=args.split,
+        limit=args.limit,
+        report_path=args.report,
+    )
+    print(summary(report), flush=True)
     return 0
 
 
@@ -294,3 +311,23 @@ def register(sub) -> None:
     )
     _template_args(p)
     p.set_defaults(func=cmd_regenerate)
+
+    p = sub.add_parser(
+        "prompts",
+        help="ShareGPT/UltraChat/OpenAI messages/plain-prompt data into the prompt lines regenerate reads",
+    )
+    p.add_argument("input", type=Path, help="JSON lines, a parquet file or a datasets.save_to_disk folder")
+    p.add_argument("--format", required=True, choices=("sharegpt", "ultrachat", "messages", "prompt"))
+    p.add_argument("--out", required=True, type=Path, help="OUT.jsonl (written atomically)")
+    p.add_argument(
+        "--thinking",
+        choices=("on", "off"),
+        default=None,
+        help="enable_thinking for every row without its own enable_thinking/thinking field",
+    )
+    p.add_argument("--split", default=None, help="the split of a saved DatasetDict (default: its only one)")
+    p.add_argument("--limit", type=positive, default=None, help="stop after N kept rows")
+    p.add_argument(
+        "--report", type=Path, default=None, help="the report's path (default: OUT.jsonl.report.json)"
+    )
+    p.set_defaults(func=cmd_prompts)

