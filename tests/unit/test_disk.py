@@ -54,6 +54,10 @@ def test_a_config_only_folder_is_its_parameter_count_times_its_dtype(tmp_path):
     got, source = disk.target_bytes(folder(tmp_path, "fp32", torch_dtype="float32"))
     assert got == params * 4 and f"{params:,} parameters" in source and "(float32)" in source
     assert disk.target_bytes(folder(tmp_path, "bare"), "bfloat16")[0] == params * 2, "the run's dtype"
+    # target.dtype "auto" (the default) on a config without torch_dtype (gpt-oss's): bf16, said; before,
+    # preflight's disk check failed with KeyError: 'auto' (found on examples/gpt-oss-20b)
+    got, source = disk.target_bytes(folder(tmp_path, "auto"), "auto")
+    assert got == params * 2 and "bfloat16 assumed" in source
 
 
 def test_checkpoints_spool_data_and_the_total():

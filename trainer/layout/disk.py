@@ -61,7 +61,8 @@ def checkpoint_bytes(s: Shapes) -> int:
 def target_bytes(folder: Path, dtype: str = "bfloat16") -> tuple[int, str]:
     """(bytes of the target's weights, where the figure comes from) for a model folder (or its
     config.json): the stored weights when their index or headers are there, else the config's
-    parameter count x the bytes of its torch_dtype (`dtype` when it names none we know)."""
+    parameter count x the bytes of its torch_dtype (else `dtype`; else bfloat16, said so: "auto"
+    names no width)."""
     from trainer.target import TargetInfo, read_config, stored_bytes
 
     folder = Path(folder)
@@ -71,10 +72,11 @@ def target_bytes(folder: Path, dtype: str = "bfloat16") -> tuple[int, str]:
     if stored is not None:
         return stored
     info = TargetInfo.from_config(read_config(folder), folder / "config.json")
-    kind = info.stored_dtype if info.stored_dtype in WEIGHT_DTYPE_BYTES else dtype
-    width = WEIGHT_DTYPE_BYTES[kind]
+    kind = next((k for k in (info.stored_dtype, dtype) if k in WEIGHT_DTYPE_BYTES), None)
+    width = WEIGHT_DTYPE_BYTES[kind or "bfloat16"]
+    said = kind or "bfloat16 assumed: neither the config's torch_dtype nor the run's dtype names a width"
     params = info.config_params
-    return params * width, f"config.json: {params:,} parameters (dense estimate) x {width} B ({kind})"
+    return params * width, f"config.json: {params:,} parameters (dense estimate) x {width} B ({said})"
 
 
 def spool_tokens(prefetch_batches: int, tokens_per_batch: int, longest_document: int) -> int:
