@@ -173,11 +173,12 @@ def test_host_to_host_relay_through_the_controller(bed, provisioned, runner, tmp
 class SecretWatch(threading.Thread):
     """`ps e` on a test host over and over while a play runs: the command line and environment of every
     process under the host's sshd (what the play runs there; the tests run as root, so every environment
-    is readable): which of them held `secret`, and how often a `dflash s3 pull` was seen (proof that the
-    watch looked while the pull ran)."""
+    is readable): which of them held `secret`, and how often `verb` (`dflash s3 pull`) was seen (proof that
+    the watch looked while the pull ran)."""
 
-    def __init__(self, sshd_pid: int, secret: str):
+    def __init__(self, sshd_pid: int, secret: str, verb: str = " s3 pull "):
         super().__init__(daemon=True)
+        self.verb = verb
         self.sshd = psutil.Process(sshd_pid)
         self.secret = secret
         self.leaks: list[str] = []
@@ -192,7 +193,7 @@ class SecretWatch(threading.Thread):
                     env = proc.environ()
                 except psutil.Error:
                     continue  # gone meanwhile
-                if " s3 pull " in cmd:
+                if self.verb in cmd:
                     self.pulls_seen += 1
                 if self.secret in cmd or any(self.secret in v for v in env.values()):
                     self.leaks.append(f"pid {proc.pid}: {cmd[:300]}")

@@ -38,7 +38,7 @@ ROLE_PROOFS = {
     "nvidia_driver": ("test_rented_node.py",),
     "cuda_toolkit": ("test_rented_node.py",),
     "python_env": ("test_python_env.py", "test_rented_node.py"),  # and the systemd_host fixture
-    "data_sync": ("test_data_sync.py",),
+    "data_sync": ("test_data_sync.py", "test_data_sync_hub.py"),
     "trainer_service": ("test_trainer_service.py", "test_systemd_host.py", "test_rented_node.py"),
     "monitor": ("test_rented_node.py", "test_regenerate_playbook.py"),
     "salvage": ("test_salvage_role.py", "test_rented_node.py", "test_train_nodes_playbook.py"),
