@@ -105,19 +105,24 @@ def chat_target(tmp_path_factory) -> Path:
     return folder
 
 
-def prompts_file(path: Path, n: int, seed: int = 0) -> Path:
+def prompts_file(path: Path, n: int, seed: int = 0, multi_turn: bool = True) -> Path:
+    """n prompts; the first a conversation of two user turns (two samples) unless not `multi_turn`."""
     rng = np.random.default_rng(seed)
     rows = [
         {"prompt": " ".join(f"w{i}" for i in rng.integers(10, 512, size=rng.integers(4, 12)))}
         for _ in range(n)
     ]
-    rows[0] = {
-        "messages": [
-            {"role": "user", "content": "w11 w12 w13"},
-            {"role": "assistant", "content": "w14"},
-            {"role": "user", "content": "w15 w16"},
-        ]
-    }
+    rows[0] = (
+        rows[0]
+        if not multi_turn
+        else {
+            "messages": [
+                {"role": "user", "content": "w11 w12 w13"},
+                {"role": "assistant", "content": "w14"},
+                {"role": "user", "content": "w15 w16"},
+            ]
+        }
+    )
     return write_prompt_file(path, rows)
 
 
@@ -388,7 +393,7 @@ def test_batches_pushed_to_s3_let_a_fresh_node_go_on_and_the_monitor_follows(
 
     for k, v in s3_env({}).items():
         monkeypatch.setenv(k, v)
-    prompts = prompts_file(tmp_path / "p.jsonl", 24)
+    prompts = prompts_file(tmp_path / "p.jsonl", 24, multi_turn=False)  # 6 batches, whatever the answers
     ref = regenerate(RegenOptions(chat_target, prompts, tmp_path / "ref", max_new_tokens=24, batch_size=4))
     url = "s3://salvage/regen/run1"
 

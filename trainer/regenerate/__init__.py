@@ -27,7 +27,8 @@ already running, trainer/server_client.py).
 
 The package by job: `meta` (the metadata file, the error), `backends`, `core` (batches, the stop cut,
 the empty check, the dataset), `options` (arguments and their checks), `progress` (events, S3 pushes)
-and `command` (the resumable run).
+`command` (the resumable run), `turns` (multi-turn conversations: every assistant turn the
+target's) and `chat_input` (`dflash prompts`: chat datasets into prompt lines, light).
 """
 
 from __future__ import annotations

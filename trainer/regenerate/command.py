@@ -64,7 +64,7 @@ def regenerate(opts: RegenOptions, backend: GenerationBackend | None = None) -> 
         print(f"dflash regenerate: {out} is already complete (delete it to regenerate)", flush=True)
         if pusher is not None:
             pusher.push(out, "dataset", force=True)
-        events.step = plan["turns"]
+        events.step = _planned_batches([turns.rounds(line) for line in lines], opts.batch_size)
         events.end("completed")
         return out
     work.mkdir(parents=True, exist_ok=True)
@@ -91,6 +91,11 @@ def regenerate(opts: RegenOptions, backend: GenerationBackend | None = None) -> 
         raise
 
 
+def _planned_batches(n_rounds: list[int], batch_size: int) -> int:
+    """Batches of every round as planned (a later round shrinks when a conversation stops early)."""
+    return sum(-(-sum(1 for n in n_rounds if n > r) // batch_size) for r in range(max(n_rounds)))
+
+
 def _batch_file(work: Path, r: int, b: int) -> Path:
     """Round 0 (every prompt's first answer) as before; later rounds of multi-turn conversations apart."""
     return work / (f"batch-{b:06d}.json" if r == 0 else f"batch-t{r + 1}-{b:06d}.json")
@@ -110,8 +115,7 @@ def _generate(
 
     n_rounds = [turns.rounds(line) for line in lines]
     bs = opts.batch_size
-    # batches per round as planned (later rounds shrink when a conversation stops early)
-    total = sum(-(-sum(1 for n in n_rounds if n > r) // bs) for r in range(max(n_rounds)))
+    total = _planned_batches(n_rounds, bs)
     finished: dict[str, list[dict[str, Any]]] = {
         f.name: json.loads(f.read_text()) for f in sorted(work.glob("batch-*.json"))
     }

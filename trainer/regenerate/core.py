@@ -48,9 +48,9 @@ EMPTY_CHECK_MIN_SAMPLES = (
 )
 
 
-def check_empty_share(empty: list[int], done: int, max_share: float, final: bool = False) -> None:
+def check_empty_share(empty: list[int] | list[str], done: int, max_share: float, final: bool = False) -> None:
     """Refuse the run when more than `max_share` of the responses so far are empty (`empty`: their
-    prompt indices)."""
+    prompt indices, or `index:tN` for turn N of a conversation)."""
     if done == 0 or (done < EMPTY_CHECK_MIN_SAMPLES and not final) or len(empty) <= max_share * done:
         return
     raise RegenerateError(
