@@ -56,3 +56,21 @@ def sha256_file(path: Path) -> str:
 
 def dir_size(path: Path) -> int:
     return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+
+
+def resume_tag_file(part: Path) -> Path:
+    """Where a partial download's tag is kept (`PART.etag`): removed with the partial file."""
+    return part.with_name(part.name + ".etag")
+
+
+def resume_offset(part: Path, tag: str, size: int) -> int:
+    """How many bytes of a partial download `part` to keep: all of them when the tag saved beside it
+    (`PART.etag`: the object's ETag, or the URL and ETag) is `tag` and it is no longer than the file's
+    `size`; else none (the partial file is removed and `tag` saved, for the next try). The folder is made."""
+    tag_file = resume_tag_file(part)
+    part.parent.mkdir(parents=True, exist_ok=True)
+    if part.is_file() and tag_file.is_file() and tag_file.read_text() == tag and part.stat().st_size <= size:
+        return part.stat().st_size
+    part.unlink(missing_ok=True)
+    atomic_write_text(tag_file, tag)
+    return 0

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.errors import DflashError, ExitCode
-from trainer.fsutil import atomic_write_text
+from trainer.fsutil import atomic_write_text, resume_offset, resume_tag_file
 from trainer.manifest import MANIFEST_VERSION, ManifestError, check_rel, manifest_beside
 
 PARTIAL_DIR = ".hf-partial"
@@ -158,20 +158,7 @@ def _fetch(url: str, token: str | None, entry: dict[str, Any], part: Path, endpo
     from huggingface_hub.utils import build_hf_headers
 
     meta = get_hf_file_metadata(url, token=token, endpoint=endpoint)
-    tag_file = part.with_name(part.name + ".etag")
-    part.parent.mkdir(parents=True, exist_ok=True)
-    tag = json.dumps({"url": url, "etag": meta.etag})
-    offset = 0
-    if (
-        part.is_file()
-        and tag_file.is_file()
-        and tag_file.read_text() == tag
-        and part.stat().st_size <= entry["size"]
-    ):
-        offset = part.stat().st_size
-    else:
-        part.unlink(missing_ok=True)
-        atomic_write_text(tag_file, tag)
+    offset = resume_offset(part, json.dumps({"url": url, "etag": meta.etag}), entry["size"])
     headers = build_hf_headers(token=token)
     headers["Accept-Encoding"] = "identity"
     with open(part, "ab") as fh:
@@ -272,14 +259,14 @@ def pull(
                     os.chmod(part, 0o644)
                     (dest / rel).parent.mkdir(parents=True, exist_ok=True)
                     os.replace(part, dest / rel)
-                    part.with_name(part.name + ".etag").unlink(missing_ok=True)
+                    resume_tag_file(part).unlink(missing_ok=True)
                     with lock:
                         sums[rel] = got["sha256"]
                     res["ok"] = True
                     return res
                 why = _why(entry, got["size"], got["sha256"], got["blob"])
                 part.unlink(missing_ok=True)  # refused: never left under its final name
-                part.with_name(part.name + ".etag").unlink(missing_ok=True)
+                resume_tag_file(part).unlink(missing_ok=True)
                 if got["resumed_from"] == 0:
                     break  # a fresh download that is wrong: the Hub serves other bytes than it names
             res.update(ok=False, error=f"refused: {why} (deleted, not placed)")

@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from trainer.fsutil import atomic_write_text, sha256_file
+from trainer.fsutil import atomic_write_text, resume_offset, resume_tag_file, sha256_file
 from trainer.manifest import MANIFEST_NAME, manifest_beside
 from trainer.s3 import S3Error
 from trainer.s3 import client as s3lib
@@ -97,20 +97,8 @@ def _fetch(
 ) -> dict[str, Any]:
     """Download one object into `part` (resuming a partial of the same ETag); returns what moved and
     the sha256 of the whole file."""
-    tag_file = part.with_name(part.name + ".etag")
-    part.parent.mkdir(parents=True, exist_ok=True)
     etag = client.head_object(Bucket=bucket, Key=key)["ETag"]
-    offset = 0
-    if (
-        part.is_file()
-        and tag_file.is_file()
-        and tag_file.read_text() == etag
-        and part.stat().st_size <= entry["size"]
-    ):
-        offset = part.stat().st_size
-    else:
-        part.unlink(missing_ok=True)
-        atomic_write_text(tag_file, etag)
+    offset = resume_offset(part, etag, entry["size"])
     digest = hashlib.sha256()
     if offset:
         with open(part, "rb") as fh:  # the bytes a killed pull left: hashed, not fetched again
@@ -138,7 +126,7 @@ def _place(part: Path, target: Path, entry: dict[str, Any]) -> None:
         os.utime(part, ns=(entry["mtime_ns"], entry["mtime_ns"]))
     os.chmod(part, 0o644)
     os.replace(part, target)
-    part.with_name(part.name + ".etag").unlink(missing_ok=True)
+    resume_tag_file(part).unlink(missing_ok=True)
 
 
 def _place_link(target: Path, to: str) -> bool:
@@ -261,7 +249,7 @@ def pull(
                     res["ok"] = True
                     return res
                 part.unlink(missing_ok=True)  # a bad partial (or a bad transfer): once more from the start
-                part.with_name(part.name + ".etag").unlink(missing_ok=True)
+                resume_tag_file(part).unlink(missing_ok=True)
             res.update(
                 ok=False,
                 error=f"sha256 {got['sha256'][:12]}... after two downloads, the manifest says "
