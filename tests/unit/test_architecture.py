@@ -39,6 +39,7 @@ LIGHT = (
     "trainer.preflight",
     "trainer.preflight.disk",
     "trainer.run_init",
+    "trainer.regenerate.chat_input",
     "trainer.tokenizer_files",
     "trainer.layout.disk",
     "trainer.layout.gpus",
