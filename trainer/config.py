@@ -166,6 +166,12 @@ class TrainConfig(_Section):
     max_steps: int = Field(
         1000, ge=1, le=10**9, description="optimizer steps; the last step event has step=max_steps"
     )
+    time_budget: str | None = Field(
+        None,
+        description="wall time the run may take (20h, 30m, 90s, 1h30m): the lr schedule follows the "
+        "run's progress through it, the final checkpoint lands before it ends, restarts count the time "
+        "spent; max_steps (unset: 10**9) ends the run if reached first (docs/train.md, time budget)",
+    )
     lr: float = Field(6.0e-4, gt=0, description="peak learning rate (SpecForge Qwen3.6-27B: 6e-4)")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="cosine floor as a fraction of lr")
     warmup_steps: int | None = Field(None, ge=0, description="default: warmup_ratio * max_steps")
@@ -291,6 +297,31 @@ class TrainConfig(_Section):
                 )
             data["shard"] = "optimizer" if old else "none"
         return data
+
+    @field_validator("time_budget")
+    @classmethod
+    def _time_budget(cls, v: str | None) -> str | None:
+        from trainer.training.budget import parse_duration
+
+        if v is not None:
+            parse_duration(v)  # refused here, before any work: exit 2 with the form to write
+        return v if v is None else v.strip()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _budget_steps(cls, data: Any) -> Any:
+        """With a time budget and no max_steps, the budget alone ends the run; warm-up is a share of it."""
+        if isinstance(data, dict) and data.get("time_budget") is not None:
+            if data.get("warmup_steps") is not None:
+                raise ValueError("train.warmup_steps counts steps; with train.time_budget use warmup_ratio")
+            data = {"max_steps": 10**9} | data
+        return data
+
+    @property
+    def time_budget_s(self) -> float | None:
+        from trainer.training.budget import parse_duration
+
+        return None if self.time_budget is None else parse_duration(self.time_budget)
 
     @model_validator(mode="after")
     def _warmup(self) -> TrainConfig:

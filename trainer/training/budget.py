@@ -1,0 +1,200 @@
+"""`train.time_budget`: a run's clock against the hours it was given (light side: stdlib only).
+
+The budget is wall time of the trainer's processes: from `dflash train` entering the loop's setup to
+the final checkpoint, summed over restarts. Time already spent is kept in the checkpoint's trainer
+state and in `out_dir/budget.json` (rewritten every few seconds), so a restart after a kill -9 counts
+the time since the last checkpoint too. The time between a crash and the restart (the service's
+restart delay) is not counted.
+
+The stop rule: with C the measured checkpoint write and t a step (both refined as the run goes), the
+run stops stepping once less than the stop margin `SLACK * (C + t)` is left; the decision is taken one
+step ahead, so the last step knows it is the last and runs at the schedule's floor, and the final
+checkpoint lands before the budget ends. The schedule's progress of a step is the time at its end over
+the time where stepping stops (`budget - margin`), or its share of `train.max_steps` when that is
+further on: whichever ends first ends the run and the decay (trainer/training/state.py).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from trainer.errors import DflashError
+
+UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+_PART = re.compile(r"(\d+(?:\.\d+)?)([smhd])")
+MAX_BUDGET_S = 366 * 86400
+SLACK = 1.25  # the stop margin over the measured checkpoint write + one step
+EMA = 0.3  # weight of the newest step time in the running estimate
+BUDGET_FILE = "budget.json"
+WRITE_EVERY_S = 2.0  # budget.json's refresh
+
+
+class DurationError(DflashError, ValueError):
+    """A duration that is not NUMBER+UNIT (`20h`, `30m`, `90s`, `1h30m`)."""
+
+
+def parse_duration(text: str) -> float:
+    """Seconds of a duration: one or more NUMBER+UNIT parts with units s, m, h, d, largest first
+    (`20h`, `30m`, `90s`, `1.5h`, `1h30m`). Anything else (a bare number, a unit twice, `-5m`,
+    zero, more than a year) is refused with a message that says the form."""
+    raw = text.strip() if isinstance(text, str) else text
+    form = "write NUMBER+UNIT with unit s, m, h or d, e.g. 20h, 30m, 90s, 1h30m"
+    if not isinstance(raw, str) or not raw:
+        raise DurationError(f"{text!r} is not a duration: {form}")
+    parts = _PART.findall(raw)
+    if not parts or "".join(n + u for n, u in parts) != raw:
+        raise DurationError(f"{text!r} is not a duration: {form}")
+    units = [u for _, u in parts]
+    ranks = ["dhms".index(u) for u in units]
+    if len(set(units)) != len(units) or ranks != sorted(ranks):
+        raise DurationError(f"{text!r}: each unit once, largest first (1h30m, not 30m1h)")
+    seconds = sum(float(n) * UNITS[u] for n, u in parts)
+    if not seconds > 0:
+        raise DurationError(f"{text!r}: a time budget is more than zero")
+    if seconds > MAX_BUDGET_S:
+        raise DurationError(f"{text!r}: more than a year ({seconds:.0f} s)")
+    return seconds
+
+
+def format_duration(seconds: float) -> str:
+    """`1h 05m`, `4m 10s`, `12.5s`: for logs and the plan."""
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    s = int(round(seconds))
+    h, rem = divmod(s, 3600)
+    m, sec = divmod(rem, 60)
+    return f"{h}h {m:02d}m" if h else f"{m}m {sec:02d}s"
+
+
+@dataclass
+class StepPlan:
+    """What the next step is under the budget: its schedule progress, whether it is the last one,
+    and whether there is room for it at all (`run` False: stop before stepping)."""
+
+    progress: float
+    last: bool
+    run: bool = True
+
+
+class RunBudget:
+    """The budget's clock for one process: `spent_before` (earlier starts) plus this start's wall time,
+    the step and checkpoint times measured, the stop decision one step ahead."""
+
+    def __init__(self, budget_s: float, clock=time.monotonic):
+        self.budget_s = float(budget_s)
+        self.clock = clock
+        self.t0 = clock()
+        self.spent_before = 0.0
+        self.step_s: float | None = None  # running estimate of one step
+        self.checkpoint_s: float | None = None  # the slowest checkpoint write seen
+        self.progress = 0.0  # the schedule's progress after the newest step
+        self.steps_seen = 0
+        self.last_step_s = 0.0
+        self._written = -math.inf
+
+    # ------------------------------------------------------------ the clock
+    def spent(self) -> float:
+        return self.spent_before + (self.clock() - self.t0)
+
+    def left(self) -> float:
+        return self.budget_s - self.spent()
+
+    def observe_step(self, seconds: float) -> None:
+        """One step's wall time. The first one (compilation, caches) is replaced by the second, then
+        an exponential average follows the step rate; the margin takes the newest step when slower."""
+        self.steps_seen += 1
+        self.last_step_s = seconds
+        if self.step_s is None or self.steps_seen == 2:
+            self.step_s = seconds
+        else:
+            self.step_s = (1 - EMA) * self.step_s + EMA * seconds
+
+    def observe_checkpoint(self, seconds: float) -> None:
+        self.checkpoint_s = max(seconds, self.checkpoint_s or 0.0)
+
+    def step_estimate(self) -> float:
+        return max(self.step_s or 0.0, self.last_step_s)
+
+    def margin_s(self) -> float:
+        """Time kept for the final checkpoint and the step the decision is ahead by. Before any
+        checkpoint was timed, a guess: 2 % of the budget, at most a minute."""
+        ckpt = self.checkpoint_s if self.checkpoint_s is not None else min(60.0, 0.02 * self.budget_s)
+        return SLACK * (ckpt + self.step_estimate())
+
+    # ------------------------------------------------------------ the decision
+    def plan_step(self, step: int, max_steps: int) -> StepPlan:
+        """The next step (number `step + 1`): its progress (time at its end over where stepping
+        stops, or its share of max_steps, whichever is further; never below the last one's), last
+        when after it less than the margin would be left or max_steps is reached; no room for it
+        when the margin is already eaten (a restart late in the budget)."""
+        s, t, margin = self.spent(), self.step_estimate(), self.margin_s()
+        stop_at = self.budget_s - margin
+        if s >= stop_at:  # no room for a step and its checkpoint
+            return StepPlan(progress=1.0, last=True, run=False)
+        last = s + t >= stop_at or step + 1 >= max_steps  # the next one would have no room
+        if last:
+            return StepPlan(progress=1.0, last=True)
+        by_time, by_steps = (s + t) / stop_at, (step + 1) / max_steps
+        return StepPlan(progress=min(1.0, max(self.progress, by_time, by_steps)), last=False)
+
+    def stepped(self, progress: float) -> None:
+        self.progress = progress
+
+    # ------------------------------------------------------------ persistence
+    def state_dict(self) -> dict[str, Any]:
+        """What the checkpoint's trainer state keeps under "budget"."""
+        return {
+            "budget_s": self.budget_s,
+            "spent_s": round(self.spent(), 3),
+            "step_s": self.step_s,
+            "checkpoint_s": self.checkpoint_s,
+            "progress": self.progress,
+        }
+
+    def load_state_dict(self, state: dict[str, Any] | None, out_dir: Path | None = None) -> None:
+        """Continue a budget: the checkpoint's spent time, or budget.json's when that is later (time
+        spent after the checkpoint, before a crash); the step and checkpoint times measured; the
+        schedule's progress (never back)."""
+        state = state or {}
+        spent = float(state.get("spent_s") or 0.0)
+        if out_dir is not None:
+            spent = max(spent, read_spent(out_dir))
+        self.spent_before = spent
+        self.t0 = self.clock()
+        self.step_s = state.get("step_s")
+        self.checkpoint_s = state.get("checkpoint_s")
+        self.progress = float(state.get("progress") or 0.0)
+        self.steps_seen = 2 if self.step_s is not None else 0
+
+    def write(self, out_dir: Path, step: int, force: bool = False) -> None:
+        """budget.json (atomic): the time spent so far, at most every WRITE_EVERY_S seconds."""
+        from trainer.fsutil import atomic_write_text
+
+        now = self.clock()
+        if not force and now - self._written < WRITE_EVERY_S:
+            return
+        self._written = now
+        body = {"budget_s": self.budget_s, "spent_s": round(self.spent(), 3), "step": step}
+        atomic_write_text(Path(out_dir) / BUDGET_FILE, json.dumps(body | {"time": time.time()}) + "\n")
+
+    def event_fields(self) -> dict[str, Any]:
+        """The step event's budget figures (the monitor's ETA and progress bar read them)."""
+        return {
+            "budget_s": self.budget_s,
+            "budget_spent_s": round(self.spent(), 3),
+            "budget_margin_s": round(self.margin_s(), 3),
+        }
+
+
+def read_spent(out_dir: Path) -> float:
+    """budget.json's spent seconds (0 when absent or unreadable)."""
+    try:
+        return float(json.loads((Path(out_dir) / BUDGET_FILE).read_text())["spent_s"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0.0
