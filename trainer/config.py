@@ -357,6 +357,22 @@ class PreflightConfig(_Section):
     )
 
 
+class TrackersConfig(_Section):
+    """Settings of the experiment trackers `report_to` names (docs/train.md, Trackers). Secrets (W&B's
+    API key, a tracking URI with credentials) come from the environment, never from here."""
+
+    project: str = Field("dflash", min_length=1, description="W&B / trackio project, MLflow experiment")
+    wandb_mode: Literal["offline", "online"] = Field(
+        "offline",
+        description="offline: runs written under out_dir/wandb, uploaded later with `wandb sync`; "
+        "online: streamed (WANDB_API_KEY from the environment)",
+    )
+    max_failures: int = Field(3, ge=1, description="a tracker that fails this many times is dropped")
+    close_timeout_s: float = Field(
+        30.0, gt=0, description="time the trackers get at the run's end to write what is left"
+    )
+
+
 class RunConfig(_Section):
     schema_version: int = Field(SCHEMA_VERSION, description="version of this file format")
     target: TargetConfig
@@ -365,6 +381,17 @@ class RunConfig(_Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     preflight: PreflightConfig = Field(default_factory=PreflightConfig)
     out_dir: Path = Field(description="run folder: events.jsonl, train.log, run.yaml, checkpoints/")
+    report_to: list[Literal["wandb", "tensorboard", "trackio", "mlflow"]] = Field(
+        default_factory=list,
+        description="experiment trackers that get the run's events from rank 0 (their packages: "
+        "requirements/trackers.txt); [] none",
+    )
+    trackers: TrackersConfig = Field(default_factory=TrackersConfig)
+
+    @field_validator("report_to")
+    @classmethod
+    def _report_to(cls, v: list[str]) -> list[str]:
+        return list(dict.fromkeys(v))  # each tracker once, in the order given
 
     @field_validator("schema_version")
     @classmethod
