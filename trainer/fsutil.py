@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import tempfile
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 CHUNK = 4 * 1024 * 1024
 
@@ -74,3 +79,49 @@ def resume_offset(part: Path, tag: str, size: int) -> int:
     part.unlink(missing_ok=True)
     atomic_write_text(tag_file, tag)
     return 0
+
+
+@dataclass
+class PullPlan:
+    """What a resumable download into `dest` still has to move: `states[rel]` is what `local_state`
+    said of each file (("same", sha256) | (why, None)), `todo` the files not the same, `partial` the bytes a
+    killed pull left of each, `need` the bytes still to fetch, `free` what the filesystem at `free_at` has."""
+
+    states: dict[str, tuple[str, str | None]]
+    todo: list[str]
+    partial: dict[str, int]
+    need: int
+    free: int
+    free_at: Path
+
+    def rows(self, files: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+        """The report's `plan`: each file to fetch, why, its size and the partial bytes kept."""
+        return [
+            {
+                "path": r,
+                "why": self.states[r][0],
+                "size": files[r]["size"],
+                "partial_bytes": self.partial.get(r, 0),
+            }
+            for r in self.todo
+        ]
+
+
+def plan_pull(
+    dest: Path,
+    files: dict[str, dict[str, Any]],
+    partial_dir: str,
+    local_state: Callable[[Path, dict[str, Any]], tuple[str, str | None]],
+    workers: int = 4,
+) -> PullPlan:
+    """Compare `dest` with the listing `files` (rel -> entry with `size`): the files already there are hashed
+    in parallel (`local_state`), the partial files under `dest/partial_dir` counted, the bytes still needed
+    summed and the free space read where `dest` is (or would be). The Hub pull and the S3 pull share it."""
+    with ThreadPoolExecutor(max(1, min(4, workers))) as pool:
+        states = dict(zip(files, pool.map(lambda r: local_state(dest / r, files[r]), files)))
+    todo = sorted(r for r, (s, _) in states.items() if s != "same")
+    root = dest / partial_dir
+    partial = {r: (root / r).stat().st_size for r in todo if (root / r).is_file()}
+    need = sum(files[r]["size"] - min(partial.get(r, 0), files[r]["size"]) for r in todo)
+    free_at = dest if dest.exists() else next(p for p in dest.parents if p.exists())
+    return PullPlan(states, todo, partial, need, shutil.disk_usage(free_at).free, free_at)

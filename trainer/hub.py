@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.errors import DflashError, ExitCode
-from trainer.fsutil import atomic_write_text, resume_offset, resume_tag_file
+from trainer.fsutil import atomic_write_text, plan_pull, resume_offset, resume_tag_file
 from trainer.manifest import MANIFEST_VERSION, ManifestError, check_rel, manifest_beside
 
 PARTIAL_DIR = ".hf-partial"
@@ -208,14 +208,9 @@ def pull(
     commit, files = _listing(api, repo, rev)
 
     t0 = time.monotonic()
-    with ThreadPoolExecutor(max(1, min(4, workers))) as pool:
-        states = dict(zip(files, pool.map(lambda r: _local_state(dest / r, files[r]), files)))
-    todo = sorted(r for r, (s, _) in states.items() if s != "same")
+    plan = plan_pull(dest, files, PARTIAL_DIR, _local_state, workers)
+    states, todo, need, free, free_at = plan.states, plan.todo, plan.need, plan.free, plan.free_at
     partial_root = dest / PARTIAL_DIR
-    have = {r: (partial_root / r).stat().st_size for r in todo if (partial_root / r).is_file()}
-    need = sum(files[r]["size"] - min(have.get(r, 0), files[r]["size"]) for r in todo)
-    free_at = dest if dest.exists() else next(p for p in dest.parents if p.exists())
-    free = shutil.disk_usage(free_at).free
     report: dict[str, Any] = {
         "hub": f"hf://{repo}@{rev}",
         "commit": commit,
@@ -226,10 +221,7 @@ def pull(
         "present": len(files) - len(todo),
         "to_download": len(todo),
         "to_download_bytes": need,
-        "plan": [
-            {"path": r, "why": states[r][0], "size": files[r]["size"], "partial_bytes": have.get(r, 0)}
-            for r in todo
-        ],
+        "plan": plan.rows(files),
     }
     if need > free:
         raise HubError(

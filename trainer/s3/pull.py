@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from trainer.fsutil import atomic_write_text, resume_offset, resume_tag_file, sha256_file
+from trainer.fsutil import atomic_write_text, plan_pull, resume_offset, resume_tag_file, sha256_file
 from trainer.manifest import MANIFEST_NAME, manifest_beside
 from trainer.s3 import S3Error
 from trainer.s3 import client as s3lib
@@ -83,13 +83,15 @@ def _why_object(size: int | None, expected: int) -> str:
     return "absent" if size is None else f"{size} bytes, the manifest says {expected}"
 
 
-def _local_state(path: Path, entry: dict[str, Any]) -> str:
-    """'same', 'missing' or 'differs' for a destination file against its manifest entry."""
+def _local_state(path: Path, entry: dict[str, Any]) -> tuple[str, str | None]:
+    """('same', sha256) | ('missing', None) | ('differs', None) for a destination file against its
+    manifest entry."""
     if path.is_symlink() or not path.is_file():
-        return "missing" if not path.exists() and not path.is_symlink() else "differs"
+        return ("missing" if not path.exists() and not path.is_symlink() else "differs"), None
     if path.stat().st_size != entry["size"]:
-        return "differs"
-    return "same" if sha256_file(path) == entry["sha256"] else "differs"
+        return "differs", None
+    sha = sha256_file(path)
+    return ("same", sha) if sha == entry["sha256"] else ("differs", None)
 
 
 def _fetch(
@@ -190,14 +192,9 @@ def pull(
         )
 
     t0 = time.monotonic()
-    with ThreadPoolExecutor(max(1, min(4, workers))) as pool:  # hashing what is already there
-        states = dict(zip(files, pool.map(lambda r: _local_state(dest / r, files[r]), files)))
-    todo = sorted(r for r, s in states.items() if s != "same")
+    plan = plan_pull(dest, files, PARTIAL_DIR, _local_state, workers)
+    todo, need, free, free_at = plan.todo, plan.need, plan.free, plan.free_at
     partial_root = dest / PARTIAL_DIR
-    have = {r: (partial_root / r).stat().st_size for r in todo if (partial_root / r).is_file()}
-    need = sum(files[r]["size"] - min(have.get(r, 0), files[r]["size"]) for r in todo)
-    free_at = dest if dest.exists() else next(p for p in dest.parents if p.exists())
-    free = shutil.disk_usage(free_at).free
     report: dict[str, Any] = {
         "s3": loc.url(),
         "dest": str(dest),
@@ -208,10 +205,7 @@ def pull(
         "present": len(files) - len(todo),
         "to_download": len(todo),
         "to_download_bytes": need,
-        "plan": [
-            {"path": r, "why": states[r], "size": files[r]["size"], "partial_bytes": have.get(r, 0)}
-            for r in todo
-        ],
+        "plan": plan.rows(files),
     }
     if need > free:
         raise S3Error(
