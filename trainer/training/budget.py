@@ -124,16 +124,21 @@ class RunBudget:
     def margin_s(self) -> float:
         """Time kept for the final checkpoint and the step the decision is ahead by. Before any
         checkpoint was timed, a guess: 2 % of the budget, at most a minute."""
-        ckpt = self.checkpoint_s if self.checkpoint_s is not None else min(60.0, 0.02 * self.budget_s)
-        return SLACK * (ckpt + self.step_estimate())
+        return SLACK * (self.checkpoint_estimate() + self.step_estimate())
+
+    def checkpoint_estimate(self) -> float:
+        return self.checkpoint_s if self.checkpoint_s is not None else min(60.0, 0.02 * self.budget_s)
 
     # ------------------------------------------------------------ the decision
-    def plan_step(self, step: int, max_steps: int) -> StepPlan:
+    def plan_step(self, step: int, max_steps: int, checkpoint_after: bool = False) -> StepPlan:
         """The next step (number `step + 1`): its progress (time at its end over where stepping
         stops, or its share of max_steps, whichever is further; never below the last one's), last
         when after it less than the margin would be left or max_steps is reached; no room for it
-        when the margin is already eaten (a restart late in the budget)."""
+        when the margin is already eaten (a restart late in the budget, a step far slower than the
+        ones before). `checkpoint_after`: a periodic checkpoint follows the step, its time counts."""
         s, t, margin = self.spent(), self.step_estimate(), self.margin_s()
+        if checkpoint_after:
+            t += self.checkpoint_estimate()
         stop_at = self.budget_s - margin
         if s >= stop_at:  # no room for a step and its checkpoint
             return StepPlan(progress=1.0, last=True, run=False)
@@ -198,3 +203,67 @@ def read_spent(out_dir: Path) -> float:
         return float(json.loads((Path(out_dir) / BUDGET_FILE).read_text())["spent_s"])
     except (OSError, ValueError, KeyError, TypeError):
         return 0.0
+
+
+class BudgetControl:
+    """The loop's face of the budget (one per rank): `before_step` plans the next step and sets the
+    schedule's rate, `after_step` measures it and says whether it was the last, `timed` measures a
+    checkpoint. Every rank takes the same decision: the plan ([progress, last, no room]) is reduced
+    with MAX over the ranks by `agree` (a collective), so no rank stops alone."""
+
+    def __init__(self, train, out_dir: Path, is_main: bool, agree=None, clock=time.monotonic):
+        self.budget = RunBudget(train.time_budget_s, clock=clock)
+        self.max_steps, self.every = train.max_steps, train.checkpoint_every
+        self.out_dir, self.is_main = Path(out_dir), is_main
+        self.saved_step: int | None = None  # the step of the newest checkpoint (a resume's too)
+        self.agree = agree or (lambda values: values)
+        self.plan: StepPlan | None = None
+        self._t_step = 0.0
+
+    def before_step(self, step: int, scheduler) -> bool:
+        """False: no room for another step (the run ends with what it has)."""
+        p = self.budget.plan_step(step, self.max_steps, checkpoint_after=(step + 1) % self.every == 0)
+        progress, last, no_room = self.agree([p.progress, float(p.last), float(not p.run)])
+        self.plan = StepPlan(progress=progress, last=bool(last), run=not no_room)
+        if no_room:
+            return False
+        scheduler.set_progress(progress)
+        self._t_step = self.budget.clock()
+        return True
+
+    def after_step(self, step: int) -> bool:
+        """Measure the step; True when it was the last one (its final checkpoint comes next)."""
+        assert self.plan is not None
+        self.budget.observe_step(self.budget.clock() - self._t_step)
+        self.budget.stepped(self.plan.progress)
+        if self.is_main:
+            self.budget.write(self.out_dir, step)
+        return self.plan.last
+
+    def timed(self, save, step: int) -> None:
+        """Run `save()` (the checkpoint of `step`) and keep its wall time for the stop margin."""
+        t = self.budget.clock()
+        save()
+        self.budget.observe_checkpoint(self.budget.clock() - t)
+        self.saved_step = step
+
+    def unsaved(self, step: int) -> bool:
+        """Steps done since the newest checkpoint (a stop for want of room still saves them)."""
+        return step != self.saved_step
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.budget.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any] | None, step: int) -> None:
+        self.budget.load_state_dict(state, self.out_dir)
+        self.saved_step = step
+
+    def event_fields(self) -> dict[str, Any]:
+        return self.budget.event_fields()
+
+    def finish(self, step: int) -> dict[str, Any]:
+        """budget.json once more and the run_end's figures (spent, left)."""
+        if self.is_main:
+            self.budget.write(self.out_dir, step, force=True)
+        spent = self.budget.spent()
+        return {"budget_s": self.budget.budget_s, "budget_spent_s": round(spent, 3)}

@@ -1,6 +1,7 @@
 """The run state besides the weights: the optimizer (AdamW, or Muon + AdamW; ZeRO-1 sharded over the
-ranks, whole, or over FSDP's sharded parameters: sharding.py) with its learning-rate schedule, the
-RNG states (seeded, saved, restored for an exact resume) and torch's deterministic mode."""
+ranks, whole, or over FSDP's sharded parameters: sharding.py) with its learning-rate schedule (over
+the steps, or over a time budget's progress), the RNG states (seeded, saved, restored for an exact
+resume) and torch's deterministic mode."""
 
 from __future__ import annotations
 
@@ -62,6 +63,15 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def decay_factor(progress: float, train) -> float:
+    """The factor after warm-up at `progress` (0..1) through the decay: 1 (constant), or cosine from 1
+    down to `train.min_lr_ratio` at 1."""
+    if train.schedule == "constant":
+        return 1.0
+    p = min(1.0, max(0.0, progress))
+    return train.min_lr_ratio + (1 - train.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * p))
+
+
 def lr_lambda(cfg: RunConfig):
     """The LambdaLR factor: linear warmup (`train.warmup_steps`, or `warmup_ratio` of the steps), then
     constant or cosine down to `train.min_lr_ratio` at `train.max_steps`."""
@@ -71,16 +81,57 @@ def lr_lambda(cfg: RunConfig):
     def f(step: int) -> float:  # step = optimizer steps done so far
         if warm and step < warm:
             return (step + 1) / warm
-        if t.schedule == "constant":
-            return 1.0
-        progress = min(1.0, (step - warm) / max(1, t.max_steps - warm))
-        return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        return decay_factor((step - warm) / max(1, t.max_steps - warm), t)
 
     return f
 
 
+def budget_factor(progress: float, train) -> float:
+    """The factor at `progress` (0..1) through a time budget: linear warm-up over the first
+    `train.warmup_ratio` of it, then the decay over the rest; the floor at 1 (the last step)."""
+    warm = train.warmup_ratio
+    if warm and progress < warm:
+        return max(progress, 1e-3 * warm) / warm
+    return decay_factor((progress - warm) / (1 - warm) if warm < 1 else 1.0, train)
+
+
+class BudgetSchedule:
+    """`train.time_budget`'s learning-rate schedule: the factor follows the progress the budget
+    (trainer/training/budget.py) sets before each step, not the step count. The same face as the
+    LambdaLR the loop otherwise holds: `get_last_lr()` is the step's rate, `step()` after the update,
+    `state_dict()` / `load_state_dict()` for the checkpoint."""
+
+    def __init__(self, optimizer, train):
+        self.optimizer, self.train = optimizer, train
+        self.base_lrs = [g["lr"] for g in optimizer.param_groups]  # Muon's groups have their own
+        self.progress, self.last_epoch = 0.0, 0
+        self.set_progress(0.0)
+
+    def set_progress(self, progress: float) -> None:
+        """The rate of the coming step at `progress` (never back: a restart continues)."""
+        self.progress = max(self.progress, min(1.0, progress))
+        f = budget_factor(self.progress, self.train)
+        for group, base in zip(self.optimizer.param_groups, self.base_lrs, strict=True):
+            group["lr"] = base * f
+
+    def get_last_lr(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    def step(self) -> None:
+        self.last_epoch += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"progress": self.progress, "last_epoch": self.last_epoch, "base_lrs": self.base_lrs}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.base_lrs, self.last_epoch = list(state["base_lrs"]), int(state["last_epoch"])
+        self.progress = 0.0
+        self.set_progress(float(state["progress"]))
+
+
 def make_optimizer(model: torch.nn.Module, cfg: RunConfig, zero: bool):
-    """(optimizer, scheduler) over `model`'s trainable parameters with the `lr_lambda` schedule:
+    """(optimizer, scheduler) over `model`'s trainable parameters with the `lr_lambda` schedule (the
+    `BudgetSchedule` with `train.time_budget`):
     AdamW (`train.optimizer: adamw`) or Muon on the 2-D weights + AdamW on the rest (`muon`, one
     optimizer: trainer/training/muon.py). `zero`: ZeRO-1 (torch's ZeroRedundancyOptimizer), each rank
     keeps the optimizer state of its share of the parameters."""
@@ -100,4 +151,6 @@ def make_optimizer(model: torch.nn.Module, cfg: RunConfig, zero: bool):
         optimizer = ZeroRedundancyOptimizer(params, optimizer_class=cls, **kwargs)
     else:
         optimizer = cls(params, **kwargs)
+    if t.time_budget is not None:  # the rate follows the budget's progress (BudgetSchedule)
+        return optimizer, BudgetSchedule(optimizer, t)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
