@@ -188,3 +188,24 @@ def test_make_optimizer_picks_the_budget_schedule(tmp_path):
     sched.set_progress(0.5)
     sched.set_progress(0.2)
     assert sched.progress == 0.5, "the schedule never goes back"
+
+
+def test_the_monitors_eta_and_progress_are_the_budgets():
+    from trainer.monitor.state import RunState
+
+    st = RunState()
+    st.feed(
+        {
+            "event": "run_start",
+            "time": 1000.0,
+            "start_step": 0,
+            "totals": {"total_steps": 10**9, "time_budget_s": 600.0, "budget_spent_s": 200.0},
+        }
+    )
+    assert st.progress(1000.0) == pytest.approx(1 / 3) and st.eta_s(1000.0) == pytest.approx(400.0)
+    st.feed({"event": "step", "time": 1010.0, "step": 1, "budget_s": 600.0, "budget_spent_s": 210.0})
+    st.feed({"event": "step", "time": 1020.0, "step": 2, "budget_s": 600.0, "budget_spent_s": 220.0})
+    assert st.eta_s(1050.0) == pytest.approx(350.0), "the budget's clock ticks on between events"
+    assert st.progress(1050.0) == pytest.approx(250 / 600), "not step 2 of 10**9"
+    st.total_steps = 4  # max_steps first: 2 steps at 10 s
+    assert st.eta_s(1020.0) == pytest.approx(20.0) and st.progress(1020.0) == 0.5

@@ -50,6 +50,9 @@ class RunState:
         self.config: dict[str, Any] | None = None
         self.total_steps: int | None = None
         self.total_tokens: int | None = None
+        self.budget_s: float | None = None  # train.time_budget, and the newest figure of its clock
+        self.budget_spent_s: float | None = None
+        self.budget_at: float | None = None  # event time of budget_spent_s
         self.pid: int | None = None
         self.step = 0
         self.tokens = 0
@@ -116,6 +119,7 @@ class RunState:
         self.config = ev.get("config")
         self.total_steps = totals.get("total_steps", self.total_steps)
         self.total_tokens = totals.get("total_tokens", self.total_tokens)
+        self._on_budget(totals.get("time_budget_s"), totals.get("budget_spent_s"), num(ev.get("time")))
         self.pid = ev.get("pid")
         self.end = None
         self.step = int(ev.get("start_step") or 0)
@@ -123,6 +127,10 @@ class RunState:
         self._window.clear()
         self._gaps.clear()
         self.last_step_time = num(ev.get("time"))
+
+    def _on_budget(self, budget_s: Any, spent_s: Any, t: float | None) -> None:
+        if finite(budget_s) and finite(spent_s):
+            self.budget_s, self.budget_spent_s, self.budget_at = float(budget_s), float(spent_s), t
 
     def _nonfinite(self, step: int) -> None:
         if not self.nonfinite_steps or self.nonfinite_steps[-1] != step:
@@ -146,6 +154,7 @@ class RunState:
             self._nonfinite(step)
         if ev.get("total_steps"):
             self.total_steps = ev["total_steps"]
+        self._on_budget(ev.get("budget_s"), ev.get("budget_spent_s"), t)
         self.step = step
         self.tokens = int(ev.get("tokens") or self.tokens)
         self.last = ev
@@ -191,11 +200,36 @@ class RunState:
         gaps = [g for g in self._gaps if g > 0]  # events written in one burst say nothing about speed
         return statistics.median(gaps) if gaps else None
 
-    def eta_s(self) -> float | None:
-        if self.finished or not self.total_steps:
-            return 0.0 if self.finished else None
+    def eta_s(self, now: float | None = None) -> float | None:
+        """Seconds to the end: with a time budget, what is left of it (or of max_steps at the step
+        rate, when sooner); else the steps left at the step rate."""
+        if self.finished:
+            return 0.0
         sps = self.seconds_per_step()
-        return None if sps is None else max(0, self.total_steps - self.step) * sps
+        by_steps = None if sps is None or not self.total_steps else max(0, self.total_steps - self.step) * sps
+        spent = self.budget_spent(now)
+        if spent is None:
+            return by_steps
+        by_budget = max(0.0, self.budget_s - spent)
+        return by_budget if by_steps is None else min(by_budget, by_steps)
+
+    def budget_spent(self, now: float | None = None) -> float | None:
+        """The time budget's clock (seconds spent, restarts included), ticking on from the newest
+        event to `now` while the run goes; None without a budget."""
+        if self.budget_s is None or self.budget_spent_s is None:
+            return None
+        if now is None or self.budget_at is None or self.finished:
+            return self.budget_spent_s
+        return self.budget_spent_s + max(0.0, now - self.budget_at)
+
+    def progress(self, now: float | None = None) -> float | None:
+        """Share of the run done: of the time budget when there is one (or of max_steps when further),
+        else of the steps."""
+        by_steps = self.step / self.total_steps if self.total_steps else None
+        spent = self.budget_spent(now)
+        if spent is None:
+            return by_steps
+        return min(1.0, max(spent / self.budget_s, by_steps or 0.0))
 
     def elapsed_s(self, now: float) -> float | None:
         if not self.starts or self.starts[0].get("time") is None:

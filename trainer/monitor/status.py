@@ -70,9 +70,20 @@ def render(s: dict[str, Any], runs: list[dict[str, Any]] | None = None):
     prog.add_column()
     total = s["total_steps"]
     step_txt = f"step {s['step']:,}" + (f" / {total:,}  ({100 * s['progress']:.1f}%)" if total else "")
+    if s.get("budget_s"):  # train.time_budget: the bar is the budget's
+        step_txt = (
+            f"step {s['step']:,}   budget {_dur(s['budget_spent_s'])} of {_dur(s['budget_s'])}  "
+            f"({100 * s['progress']:.1f}%)"
+        )
+    done = s["progress"] if s.get("budget_s") else s["step"]
     prog.add_row(
         "progress",
-        Group(Text(step_txt), ProgressBar(total=float(total or 1), completed=float(s["step"]), width=50)),
+        Group(
+            Text(step_txt),
+            ProgressBar(
+                total=1.0 if s.get("budget_s") else float(total or 1), completed=float(done), width=50
+            ),
+        ),
     )
     tok = f"{s['tokens']:,}" + (f" / {s['total_tokens']:,} budget" if s["total_tokens"] else "")
     prog.add_row("tokens", tok)

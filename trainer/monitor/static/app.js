@@ -240,7 +240,8 @@ function renderStatus(s) {
   const badge = $("status-badge"); badge.className = `badge ${cls}`; badge.textContent = label;
   setText("run-id", s.run_id || "");
   const pct = s.progress === null ? null : Math.min(100, s.progress * 100);
-  setText("step-text", s.total_steps ? `step ${fmtInt(s.step)} / ${fmtInt(s.total_steps)}` : (s.events ? `step ${fmtInt(s.step)}` : "waiting for the run to start"));
+  setText("step-text", s.budget_s ? `step ${fmtInt(s.step)} · budget ${fmtDur(s.budget_spent_s)} of ${fmtDur(s.budget_s)}` :
+    (s.total_steps ? `step ${fmtInt(s.step)} / ${fmtInt(s.total_steps)}` : (s.events ? `step ${fmtInt(s.step)}` : "waiting for the run to start")));
   setText("pct", pct === null ? "" : `${pct.toFixed(1)}%`);
   const bar = $("progress-bar");
   bar.setAttribute("aria-valuenow", pct === null ? "0" : pct.toFixed(2));
