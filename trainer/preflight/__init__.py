@@ -1,6 +1,6 @@
 """Preflight: every check that can refuse a run, done in seconds before any GPU time is spent.
 
-Three gates, each listing every problem it finds (a run is refused on any error; warnings inform):
+Four gates, each listing every problem it finds (a run is refused on any error; warnings inform):
 
 - data (data.py): supervised tokens per sample (histogram), short responses, samples the loop would
   drop (no two consecutive supervised tokens, longer than data.max_length, input_ids/loss_mask length
@@ -11,7 +11,8 @@ Three gates, each listing every problem it finds (a run is refused on any error;
 - machine (machine.py): the device (`train.device: cuda` without CUDA, or `auto` on a machine whose
   NVIDIA GPUs torch cannot use, is refused: trainer/device.py), free disk for the parts of the run
   still to be written (disk.py: the budget `dflash plan` prints), a memory estimate against the
-  device, and /dev/shm for a vLLM server the run starts (shm.py).
+  device, and /dev/shm for a vLLM server the run starts (shm.py);
+- trackers (trackers.py): the package of every tracker `report_to` names is installed.
 
 The findings and their rendering are in report.py. Light side: model folders are read by
 trainer/target.py (config.json as JSON, safetensors files by their headers only); no transformers or
@@ -31,6 +32,7 @@ from trainer.preflight.machine import device_gate, memory_gate
 from trainer.preflight.report import PreflightReport
 from trainer.preflight.shm import shm_gate
 from trainer.preflight.target import source_gate, target_gate
+from trainer.preflight.trackers import trackers_gate
 
 if TYPE_CHECKING:
     from trainer.config import RunConfig
@@ -54,6 +56,7 @@ def run_preflight(cfg: RunConfig) -> PreflightReport:
         ("disk", disk_gate),
         ("shared memory", shm_gate),
         ("memory", memory_gate),
+        ("trackers", trackers_gate),
     ]
     for name, gate in gates:
         _guarded(report, name, lambda gate=gate: gate(cfg, target, report))
