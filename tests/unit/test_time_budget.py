@@ -209,3 +209,35 @@ def test_the_monitors_eta_and_progress_are_the_budgets():
     assert st.progress(1050.0) == pytest.approx(250 / 600), "not step 2 of 10**9"
     st.total_steps = 4  # max_steps first: 2 steps at 10 s
     assert st.eta_s(1020.0) == pytest.approx(20.0) and st.progress(1020.0) == 0.5
+
+
+def test_plan_turns_a_budget_into_tokens_and_epochs(tmp_path):
+    from trainer.cli import build_parser
+    from trainer.events import EventWriter
+    from trainer.layout.plan import make_plan
+    from trainer.layout.recipe import PlanError
+    from trainer.layout.report import render_text
+
+    qwen = "tests/fixtures/targets/qwen3.6-27b/config.json"
+    base = ["plan", "--target-config", qwen, "--gpu", "H200", "--gpu-count", "8", "--samples", "1000"]
+
+    def plan(*more):
+        return make_plan(build_parser().parse_args([*base, *map(str, more)]))
+
+    modelled = plan("--time-budget", "20h")["time_budget"]
+    assert modelled["rate_source"].startswith("modelled") and modelled["ended_by"] == "time_budget"
+    assert modelled["expected_tokens"] == pytest.approx(modelled["tokens_per_s"] * 72000, rel=0.01)
+    assert modelled["epochs"] == pytest.approx(modelled["expected_tokens"] / 2_000_000, rel=1e-3)
+    events = EventWriter(tmp_path, "r1")  # a run measured on this hardware: 2 s a step, 1000 tokens each
+    events.emit("run_start", totals={"total_steps": 100})
+    for step in range(1, 6):
+        events.emit("step", step=step, tokens=1000 * step, time=100.0 + 2 * step)
+    p = plan("--time-budget", "1h", "--rate-from", tmp_path)
+    measured = p["time_budget"]
+    assert measured["rate_source"].startswith("measured") and measured["expected_steps"] == 1800
+    assert measured["expected_tokens"] == 1_800_000 and "budget   1h: <= 1,800,000 tokens" in render_text(p)
+    with pytest.raises(PlanError, match="no events.jsonl"):
+        plan("--time-budget", "1h", "--rate-from", tmp_path / "nowhere")
+    with pytest.raises(SystemExit) as bad:
+        build_parser().parse_args([*base, "--time-budget", "20"])
+    assert bad.value.code == 2

@@ -79,3 +79,14 @@ def above_zero(text: str) -> float:
     if v <= 0:
         raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
     return v
+
+
+def duration(text: str) -> str:
+    """A duration as the run config writes it (`20h`, `30m`, `90s`, `1h30m`: trainer.training.budget)."""
+    from trainer.training.budget import DurationError, parse_duration
+
+    try:
+        parse_duration(text)
+    except DurationError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text.strip()

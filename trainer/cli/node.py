@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-from trainer.cli.argtypes import above_zero, count, positive
+from trainer.cli.argtypes import above_zero, count, duration, positive
 from trainer.errors import ExitCode
 
 
@@ -245,6 +245,19 @@ def register(sub) -> None:
         "--mean-tokens", type=above_zero, default=2000, help="mean tokens per sample (default 2000)"
     )
     p.add_argument("--epochs", type=above_zero, default=1.0)
+    p.add_argument(
+        "--time-budget",
+        type=duration,
+        metavar="DURATION",
+        help="train.time_budget (20h, 30m, 90s; default: the run config's): the tokens, steps and epochs "
+        "it buys (epochs of --samples x --mean-tokens)",
+    )
+    p.add_argument(
+        "--rate-from",
+        metavar="RUN_DIR",
+        help="a run's folder (or events.jsonl) on this hardware and recipe: the budget's step rate is "
+        "measured there instead of modelled",
+    )
     p.add_argument(
         "--regenerate-samples",
         type=count,

@@ -33,7 +33,7 @@ from trainer.layout.recipe import (
     read_target,
     shapes,
 )
-from trainer.layout.report import offline_arithmetic, render_text
+from trainer.layout.report import budget_arithmetic, offline_arithmetic, render_text
 from trainer.layout.split import choose_disaggregated, disaggregated_layout
 
 
@@ -149,7 +149,51 @@ def make_plan(args) -> dict[str, Any]:
         mean_tokens=args.mean_tokens,
     )
     plan["disk"]["nodes"] = against_nodes(plan["disk"], args.facts)
+    train = inputs.run.train if inputs.run is not None else None
+    budget = getattr(args, "time_budget", None) or (train.time_budget if train else None)
+    if budget:  # train.time_budget in tokens, steps and epochs
+        from trainer.config import TrainConfig
+
+        train = train or TrainConfig(max_tokens_per_batch=r.tokens, time_budget=budget)
+        plan["time_budget"] = budget_arithmetic(
+            budget,
+            step_rate(args, gpu_name, arith),
+            train.max_tokens_per_step(plan["world_size"]),
+            train.max_steps,
+            args.samples * args.mean_tokens,
+        )
     return plan
+
+
+def step_rate(args, gpu_name: str, arith: dict[str, Any]) -> dict[str, Any]:
+    """The rate a time budget is turned into tokens with: measured from a run's events
+    (`--rate-from RUN_DIR`: its recent step events, checkpoints included), else modelled (this GPU
+    kind's tokens/s at the plan's assumptions)."""
+    from pathlib import Path
+
+    if getattr(args, "rate_from", None):
+        from trainer.events import load_events
+        from trainer.monitor.state import state_from_events
+
+        path = Path(args.rate_from)
+        path = path / "events.jsonl" if path.is_dir() else path
+        if not path.is_file():
+            raise PlanError(
+                f"--rate-from {args.rate_from}: no events.jsonl there (a run folder or its stream)"
+            )
+        st = state_from_events(load_events(path))
+        tok_s, sps = st.tokens_per_s(), st.seconds_per_step()
+        if not tok_s or not sps:
+            raise PlanError(f"--rate-from {path}: fewer than two step events, no rate to measure")
+        return {"tokens_per_s": tok_s, "seconds_per_step": sps, "source": f"measured ({path}, last steps)"}
+    for h in arith["per_hardware"]:
+        if h["gpu"] == gpu_name:
+            return {
+                "tokens_per_s": h["tokens_per_s"],
+                "source": f"modelled ({h['gpus']} x {gpu_name} at mfu {ASSUMPTIONS['mfu']}; "
+                "--rate-from RUN_DIR measures it)",
+            }
+    raise PlanError(f"no modelled rate for GPU {gpu_name!r}: pass --rate-from RUN_DIR (a run's events)")
 
 
 def cmd_plan(args) -> int:

@@ -53,6 +53,37 @@ def offline_arithmetic(
     return out
 
 
+def budget_arithmetic(
+    budget: str,
+    rate: dict[str, Any],
+    tokens_per_step: int,
+    max_steps: int,
+    dataset_tokens: float,
+) -> dict[str, Any]:
+    """A time budget (`train.time_budget`, `--time-budget`) in tokens, steps and epochs at `rate`
+    (`tokens_per_s`, and `seconds_per_step` when measured; `source` says measured or modelled). An upper
+    bound: loading, checkpoints and the stop margin come off the budget."""
+    from trainer.training.budget import parse_duration
+
+    seconds = parse_duration(budget)
+    tok_s = rate["tokens_per_s"]
+    sps = rate.get("seconds_per_step") or tokens_per_step / tok_s
+    steps = min(max_steps, int(seconds / sps))
+    tokens = steps * tok_s * sps  # modelled: full batches (tokens_per_step); measured: as they came
+    return {
+        "budget": budget,
+        "budget_s": seconds,
+        "rate_source": rate["source"],
+        "tokens_per_s": round(tok_s, 1),
+        "seconds_per_step": round(sps, 4),
+        "expected_steps": steps,
+        "ended_by": "max_steps" if steps == max_steps else "time_budget",
+        "expected_tokens": int(tokens),
+        "dataset_tokens": int(dataset_tokens),
+        "epochs": round(tokens / dataset_tokens, 3) if dataset_tokens else None,
+    }
+
+
 def flat_keys(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """{"train": {"shard": "full"}} -> {"train.shard": "full"}: a run config's keys as its docs name them."""
     out: dict[str, Any] = {}
@@ -110,6 +141,13 @@ def render_text(p: dict[str, Any]) -> str:
         for n in p["disk"].get("nodes", []):
             verdict = "TOO SMALL for the total" if n["short"] else "holds the total"
             lines.append(f"  {n['host']}: {n['size_gb']} GB filesystem at {n['path']} (recon): {verdict}")
+    if p.get("time_budget"):
+        b = p["time_budget"]
+        lines.append(
+            f"budget   {b['budget']}: <= {b['expected_tokens']:,} tokens, {b['expected_steps']:,} steps "
+            f"({b['ended_by']} ends it), {b['epochs']} epochs of {b['dataset_tokens']:,} tokens, at "
+            f"{b['tokens_per_s']:,} tok/s, {b['seconds_per_step']} s/step, {b['rate_source']}"
+        )
     o = p["offline_vs_online"]
     lines.append(f"offline  {o['offline_storage_tb']} TB of hidden states ({o['formula']})")
     lines.append(f"         {o['online_note']}")
