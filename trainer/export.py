@@ -101,7 +101,7 @@ def export(
 ) -> dict[str, Any]:
     from trainer.checkpoint import SUMS, read_meta, verify_checkpoint
     from trainer.eval.models import load_drafter, resolve_drafter_dir
-    from trainer.eval.run import training_data_meta
+    from trainer.eval.training_meta import training_data_meta
     from trainer.regenerate import DATA_META
 
     try:

@@ -145,7 +145,9 @@ def test_miswired_drafter_scores_lower(trained_drafter, tiny_target, tmp_path, o
     assert taus["trained"] > taus["miswired"] + 0.02, taus
 
 
-def test_eval_cli_report_reference_and_comparison(trained_drafter, tiny_target, tmp_path, capsys, one_thread):
+def test_eval_cli_report_reference_and_comparison(
+    trained_drafter, tiny_target, loaded, tmp_path, capsys, one_thread
+):
     prompts = write_prompt_file(tmp_path / "p.jsonl", [{"input_ids": p} for p in tiny_prompts(6)])
     common = [
         "--target",
@@ -187,6 +189,14 @@ def test_eval_cli_report_reference_and_comparison(trained_drafter, tiny_target, 
     )
     assert ev["run_id"] and ev["report"] == str(tmp_path / "r" / "report.json") and ev["lossless_ok"] is True
     assert f"recorded tau in {trained_drafter / 'events.jsonl'}" in res.stdout
+    # the same measurement through the public entry a training loop calls, on the target it already holds
+    from trainer.eval.checkpoint_eval import evaluate_checkpoint
+
+    one = evaluate_checkpoint(
+        trained_drafter, tiny_target, prompts, max_new_tokens=32, check_lossless=-1, hooked=loaded[2]
+    )
+    assert one["tau"] == rep["tau"] and one["lossless"]["ok"] is True and one["drafter"] == str(latest)
+    assert [p["tokens"] for p in one["per_prompt"]] == [p["tokens"] for p in rep["per_prompt"]]
 
     ref = dflash_here(
         capsys, "eval", "--drafter", trained_drafter, *common, "--reference", "--out", tmp_path / "ref.json"

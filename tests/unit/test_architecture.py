@@ -40,6 +40,9 @@ LIGHT = (
     "trainer.preflight.disk",
     "trainer.run_init",
     "trainer.regenerate.chat_input",
+    "trainer.eval.options",
+    "trainer.eval.record",
+    "trainer.eval.training_meta",
     "trainer.tokenizer_files",
     "trainer.layout.disk",
     "trainer.layout.gpus",
@@ -172,3 +175,40 @@ def test_the_private_name_check_sees_both_forms(tmp_path):
         and "trainer.manifest import _excluded" in hits[0]
         and "trainer.fsutil._hidden" in hits[1]
     )
+
+
+def _trainer_imports(path: Path) -> set[str]:
+    """The trainer modules `path` imports, at the top or inside a function."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        names = []
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "trainer":
+            names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names if a.name.split(".")[0] == "trainer"]
+        found.update(n for n in names if _is_module(n))
+    return found
+
+
+def test_eval_and_export_import_each_other_in_one_direction():
+    # eval/run -> eval/served -> export -> eval/run was a circle (#34 item 8): the served report
+    # (trainer.eval.served_report) now sits above export, which sits above the engine (trainer.eval.served)
+    mods = {
+        _module_of(p): p
+        for p in sorted((ROOT / "trainer").rglob("*.py"))
+        if _module_of(p).startswith("trainer.eval")
+        or _module_of(p) in ("trainer.export", "trainer.vllm_engine")
+    }
+    graph = {m: _trainer_imports(p) & set(mods) - {m} for m, p in mods.items()}
+
+    def reach(start: str) -> set[str]:
+        seen, todo = set(), [start]
+        while todo:
+            for nxt in graph[todo.pop()] - seen:
+                seen.add(nxt)
+                todo.append(nxt)
+        return seen
+
+    circles = sorted(m for m in graph if m in reach(m))
+    assert "trainer.eval.run" in graph and graph["trainer.eval.served"]  # the check sees the modules
+    assert circles == [], f"import circle through {circles}"

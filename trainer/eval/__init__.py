@@ -6,5 +6,11 @@ sees it (z-lab's procedure: greedy, KV caches, one target forward verifies a blo
 - harness.py: the cached speculative-decoding loop (what `dflash eval` runs);
 - reference.py: an independent loop without caches (`--reference`) that must agree exactly;
 - report.py: report.json, the markdown summary, the plots, the side-by-side comparison;
-- run.py: `dflash eval` end to end (progress bar, lossless check, data-metadata check).
+- options.py: `dflash eval`'s options and the checks on them (light);
+- checkpoint_eval.py: one checkpoint through the harness (tau, lossless check, trees, the report's
+  frame); `evaluate_checkpoint` is its public entry (a checkpoint, the target, a prompt file);
+- training_meta.py: the template settings of the drafter's training data (light);
+- served.py / served_report.py: tau as vLLM serves the drafter, and its place in the report;
+- record.py: the `eval` event in the run's event stream (light);
+- run.py: `dflash eval` end to end (validation, the target loaded once, reports written).
 """

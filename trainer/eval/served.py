@@ -1,18 +1,17 @@
 """Acceptance as vLLM serves the drafter (`dflash eval --engine vllm|both`): the number a user's server
 shows, next to the harness's.
 
-The drafter (an export; a checkpoint is exported first, reload-verified, into a scratch folder) is
-loaded by vLLM's own engine with `speculative_config={"method": "dflash", ...}`, greedy, on the same
-token prompts as the harness. vLLM counts drafts and accepted tokens itself (`llm.get_metrics()`):
-tau_vLLM = 1 + accepted / drafts, slot k's acceptance = accepted at position k / drafts. What vLLM made
-of the drafter's config (the target layers it hooks, the mask token, causal or not) is read back from
-the engine's own config, so that a disagreement with the harness names its likely cause."""
+The drafter (an export; trainer/eval/served_report.py exports a checkpoint first, reload-verified,
+into a scratch folder) is loaded by vLLM's own engine with `speculative_config={"method": "dflash",
+...}`, greedy, on the same token prompts as the harness. vLLM counts drafts and accepted tokens itself
+(`llm.get_metrics()`): tau_vLLM = 1 + accepted / drafts, slot k's acceptance = accepted at position k /
+drafts. What vLLM made of the drafter's config (the target layers it hooks, the mask token, causal or
+not) is read back from the engine's own config, so that a disagreement with the harness names its likely
+cause."""
 
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -24,18 +23,6 @@ EXPORT_INFO = "dflash_export.json"  # written by `dflash export` beside the weig
 
 class ServedError(DflashError, RuntimeError):
     """vLLM cannot serve the drafter; the message says why."""
-
-
-def exported(folder: Path, target: Path, scratch: Path) -> Path:
-    """`folder` when it is an export, else a fresh export of it under `scratch` (what vLLM loads)."""
-    from trainer.export import export
-
-    folder = Path(folder)
-    if (folder / EXPORT_INFO).is_file():
-        return folder
-    out = Path(scratch) / "export"
-    export(folder, out, target=target)
-    return out
 
 
 def engine_view(llm) -> dict[str, Any]:
@@ -108,30 +95,6 @@ def as_trained(model: Path, declared: dict[str, Any], source: Path | None = None
     }
 
 
-def served_acceptance(
-    folder: Path,
-    target: Path,
-    prompts: list[list[int]],
-    max_new_tokens: int,
-    block_size: int,
-    stop_ids: set[int],
-    *,
-    device: str = "auto",
-    dtype: str = "auto",
-) -> dict[str, Any]:
-    """Serve the drafter in vLLM on `prompts` (greedy, up to `max_new_tokens`, `block_size` - 1 draft
-    tokens per round) and return vLLM's counts: tau, per-position acceptance, the committed tokens per
-    prompt, how vLLM read the drafter's config, the engine's version and wall times."""
-    scratch = Path(tempfile.mkdtemp(prefix="dflash-served-"))
-    try:
-        model = exported(folder, target, scratch)
-        return serve_export(
-            model, target, prompts, max_new_tokens, block_size, stop_ids, device=device, dtype=dtype
-        )
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-
-
 def serve_export(
     model: Path,
     target: Path,
@@ -145,8 +108,11 @@ def serve_export(
     flag: str = "--engine vllm",
     source: Path | None = None,
 ) -> dict[str, Any]:
-    """`served_acceptance` for a folder in the export format (config.json + weights); `source`: the
-    checkpoint it was made from (default: the one its dflash_export.json names)."""
+    """Serve an export (config.json + weights, `dflash export`'s format) in vLLM on `prompts` (greedy,
+    up to `max_new_tokens`, `block_size` - 1 draft tokens per round) and return vLLM's counts: tau,
+    per-position acceptance, the committed tokens per prompt, how vLLM read the drafter's config, the
+    engine's version and wall times. `source`: the checkpoint it was made from (default: the one its
+    dflash_export.json names). A checkpoint is exported first by trainer/eval/served_report.py."""
     from trainer import vllm_engine
     from trainer.sources.hooked import resolve_dtype
 
