@@ -105,6 +105,7 @@ def simulate(control, scheduler, clock, *, step_s, ckpt_s, until=None, start=0):
         scheduler.step()
         step += 1
         last = control.after_step(step)
+        control.budget.write(control.out_dir, step, force=True)  # the ticker's write (real time there)
         if last or step % every == 0:
 
             def save():

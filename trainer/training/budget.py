@@ -1,10 +1,10 @@
 """`train.time_budget`: a run's clock against the hours it was given (light side: stdlib only).
 
-The budget is wall time of the trainer's processes: from `dflash train` entering the loop's setup to
-the final checkpoint, summed over restarts. Time already spent is kept in the checkpoint's trainer
-state and in `out_dir/budget.json` (rewritten every few seconds), so a restart after a kill -9 counts
-the time since the last checkpoint too. The time between a crash and the restart (the service's
-restart delay) is not counted.
+The budget is wall time of the trainer's processes: from `dflash train` starting (preflight and loading
+included) to the final checkpoint, summed over restarts. Time already spent is kept in the checkpoint's
+trainer state and in `out_dir/budget.json`, rewritten every WRITE_EVERY_S seconds by a thread (a step
+that hangs counts too), so a restart after a kill -9 counts the time since the last checkpoint. The
+time between a crash and the restart (the service's restart delay) is not counted.
 
 The stop rule: with C the measured checkpoint write and t a step (both refined as the run goes), the
 run stops stepping once less than the stop margin `SLACK * (C + t)` is left; the decision is taken one
@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -219,6 +220,26 @@ class BudgetControl:
         self.agree = agree or (lambda values: values)
         self.plan: StepPlan | None = None
         self._t_step = 0.0
+        self._ticker: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.step = 0
+
+    def start(self) -> None:
+        """On the main rank, a thread that rewrites budget.json every WRITE_EVERY_S seconds, so that a
+        kill -9 (even in a step that hangs) loses at most that much of the time spent."""
+        if not self.is_main or self._ticker is not None:
+            return
+
+        def tick() -> None:
+            while not self._stop.wait(WRITE_EVERY_S):
+                try:
+                    self.budget.write(self.out_dir, self.step, force=True)
+                except OSError:  # a full disk: the checkpoint's time spent still counts
+                    pass
+
+        self.budget.write(self.out_dir, self.step, force=True)
+        self._ticker = threading.Thread(target=tick, name="dflash-budget", daemon=True)
+        self._ticker.start()
 
     def before_step(self, step: int, scheduler) -> bool:
         """False: no room for another step (the run ends with what it has)."""
@@ -236,8 +257,7 @@ class BudgetControl:
         assert self.plan is not None
         self.budget.observe_step(self.budget.clock() - self._t_step)
         self.budget.stepped(self.plan.progress)
-        if self.is_main:
-            self.budget.write(self.out_dir, step)
+        self.step = step
         return self.plan.last
 
     def timed(self, save, step: int) -> None:
@@ -262,7 +282,10 @@ class BudgetControl:
         return self.budget.event_fields()
 
     def finish(self, step: int) -> dict[str, Any]:
-        """budget.json once more and the run_end's figures (spent, left)."""
+        """Stop the ticker, budget.json once more; the run_end's figures."""
+        self._stop.set()
+        if self._ticker is not None:
+            self._ticker.join()
         if self.is_main:
             self.budget.write(self.out_dir, step, force=True)
         spent = self.budget.spent()
