@@ -265,8 +265,10 @@ def _handler(hub: HubStandIn):
             if path == "/api/repos/create":
                 req = json.loads(body)
                 key = "/".join(x for x in (req.get("organization"), req["name"]) if x)
-                if key in hub.heads:
-                    return self._err(409, "Conflict", "You already created this model repo")
+                if key in hub.heads:  # the Hub's 409 names the repo; create_repo(exist_ok=True) reads it
+                    return self._json(
+                        {"error": "You already created this model repo", "url": f"{hub.endpoint}/{key}"}, 409
+                    )
                 hub.set_head(key, "main", hashlib.sha1(key.encode()).hexdigest(), {})  # noqa: S324
                 return self._json({"url": f"{hub.endpoint}/{key}", "name": key})
             m = re.fullmatch(r"/api/models/(.+?)/(branch|preupload|commit)/([^/]+)", path)
