@@ -1,8 +1,8 @@
 """The online training loop: target forward (hooked, frozen) -> drafter forward/backward, one
-packed batch per rank per step. Readable top to bottom; parallelism (torchrun DDP, `distributed`),
-stopping (`shutdown`), RNG state and the lr schedule (`state`), step metrics (`metrics`),
-checkpoints, the hidden-state source and the event stream are separate components with small
-interfaces.
+packed batch per rank per step. Readable top to bottom; parallelism (torchrun DDP, `distributed`;
+sharding, `sharding`), stopping (`shutdown`), RNG state and the lr schedule (`state`), step metrics
+(`metrics`), health (`health`), checkpoints (`checkpointing`), what the run tells the event stream
+(`run_events`) and the hidden-state source are separate components with small interfaces.
 
 Exit codes (`trainer.errors.ExitCode`): OK finished or stopped by a signal with a final checkpoint;
 REFUSED preflight refused; FAILED (non-finite loss beyond tolerance, ranks out of sync, ...);
@@ -20,27 +20,27 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainer import checkpoint as ckpt
 from trainer.config import RunConfig, dump_config
 from trainer.errors import ExitCode
 from trainer.events import EventWriter
 from trainer.node_marker import write_node_marker
 from trainer.sources.vllm_server import VllmServerError
+from trainer.training import checkpointing
 from trainer.training.distributed import (
     NODE_RANK_ENV,
     Dist,
     all_ranks,
     any_rank,
-    gather_objects,
     leave_without_teardown,
     setup_dist,
 )
 from trainer.training.health import RunHealth, features_finite, target_agreement
 from trainer.training.liveness import Heartbeats
 from trainer.training.metrics import StepResult, merge_batches, start_step_memory, step_metrics
+from trainer.training.run_events import RunEvents
 from trainer.training.sharding import Sharding
 from trainer.training.shutdown import StallWatchdog, StopRequest
-from trainer.training.state import rng_state, seed_all, set_determinism, set_rng_state
+from trainer.training.state import rng_state, seed_all, set_determinism
 
 # train.position_weights as speculators' DFlash forward names them
 POSITION_WEIGHTS = {"exp": "fixed-exp-decay", "dpace": "dpace"}
@@ -50,14 +50,8 @@ POSITION_WEIGHTS = {"exp": "fixed-exp-decay", "dpace": "dpace"}
 class Trainer:
     def __init__(self, cfg: RunConfig, d: Dist, events: EventWriter):
         self.cfg, self.d, self.events = cfg, d, events
-
-    def log(self, msg: str) -> None:
-        if self.d.is_main:
-            self.events.log(msg)
-
-    def emit(self, event: str, **fields) -> None:
-        if self.d.is_main:
-            self.events.emit(event, **fields)
+        self.report = RunEvents(cfg, d, events)
+        self.emit, self.log = self.report.emit, self.report.log  # rank 0's voice (no-ops elsewhere)
 
     # -------------------------------------------------------------- build
     def build(self) -> None:
@@ -77,8 +71,8 @@ class Trainer:
         self.beats = Heartbeats(d)  # where each rank is (a no-op on one process)
         self.multi_node = d.enabled and NODE_RANK_ENV in os.environ
         self.source = make_source(cfg, d.device, d.target_devices, d=d, warn=self.source_warning)
-        self._bf16 = d.device.type == "cuda" and cfg.train.precision in ("auto", "bfloat16")
-        self.drafter = build_drafter(cfg, d.device, head_dtype=torch.bfloat16 if self._bf16 else None)
+        self.bf16 = d.device.type == "cuda" and cfg.train.precision in ("auto", "bfloat16")
+        self.drafter = build_drafter(cfg, d.device, head_dtype=torch.bfloat16 if self.bf16 else None)
         self.n_trainable = count_trainable(self.drafter)
         self.embedding_not_shared = "train.share_target_embedding is false"
         if cfg.train.share_target_embedding:  # one vocab x hidden tensor for the target and the drafter
@@ -103,127 +97,22 @@ class Trainer:
             from trainer.training.chunked_loss import ChunkedDraftLoss
 
             model = ChunkedDraftLoss(self.drafter, cfg.train.loss_chunk_rows)
-        self.sharding = Sharding(cfg, d, self._bf16)  # train.shard: DDP, DDP + ZeRO-1 or FSDP2
+        self.sharding = Sharding(cfg, d, self.bf16)  # train.shard: DDP, DDP + ZeRO-1 or FSDP2
         self.model = self.sharding.wrap(model, self.drafter)
         self.optimizer, self.scheduler = self.sharding.make_optimizer(cfg)
         self.step = 0
         self.tokens = 0
         self.resumed_from: str | None = None
 
-    # -------------------------------------------------------------- resume
+    # -------------------------------------------------------------- checkpoints (checkpointing.py)
     def resume(self) -> None:
-        """Resume from global rank 0's newest verified checkpoint. Ranks on another node (no shared
-        filesystem: only rank 0 writes checkpoints) that lack that very checkpoint, verified, get
-        rank 0's copy over the process group, so every rank starts from the same state."""
-        d = self.d
-        folder, problems = ckpt.find_resume_checkpoint(self.cfg.out_dir)
-        for p in problems:
-            self.emit("warning", kind="corrupt_checkpoint", message=p)
-            self.log(f"WARNING checkpoint does not verify, skipped: {p}")
-        names = gather_objects(folder.name if folder else None, d)
-        chosen = names[0]
-        if chosen is None:
-            if any(names):
-                self.log(
-                    f"WARNING rank 0 has no verified checkpoint, other ranks have {set(names) - {None}}: "
-                    "starting from step 0 (checkpoints are rank 0's)"
-                )
-            return
-        from trainer.drafter import check_same_draft_vocab, read_trainable_weights
+        """Resume from global rank 0's newest verified checkpoint (`checkpointing.resume`)."""
+        checkpointing.resume(self)
 
-        lacking = [r for r, n in enumerate(names) if n != chosen]
-        if lacking:
-            folder = ckpt.checkpoints_dir(self.cfg.out_dir) / chosen
-            sent = [None, None]
-            if d.is_main:
-                check_same_draft_vocab(self.drafter, folder / "model.safetensors")
-                sent = [
-                    ckpt.load_trainer_state(folder),
-                    read_trainable_weights(self.drafter, folder / "model.safetensors"),
-                ]
-            dist.broadcast_object_list(sent, src=0)
-            state, weights = sent
-            self.log(f"ranks {lacking} lack {chosen}: rank 0's copy sent over the process group")
-        else:
-            state = ckpt.load_trainer_state(folder)
-            weights = read_trainable_weights(self.drafter, folder / "model.safetensors")
-            check_same_draft_vocab(self.drafter, folder / "model.safetensors")
-        if not state["optimizer"].get("state"):
-            raise ckpt.CheckpointError(
-                f"{folder}: optimizer state is empty: refusing a resume that restores nothing"
-            )
-        # the full state on every rank; ZeRO-1 and FSDP keep only this rank's share of it
-        self.sharding.load_state(weights, self.optimizer, state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.sampler.load_state_dict(
-            state["sampler"][self.d.rank] if isinstance(state["sampler"], list) else state["sampler"]
-        )
-        rngs = state["rng"]
-        set_rng_state(rngs[self.d.rank] if isinstance(rngs, list) else rngs)
-        self.step, self.tokens = int(state["step"]), int(state["tokens"])
-        self.resumed_from = chosen
-        self.log(f"resumed from {folder.name} (step {self.step}, {self.tokens} tokens)")
-
-    def save(self, reason: str, at_step_start: bool = False) -> None:
-        """A checkpoint of the state after step `self.step`. `at_step_start`: the step after it failed
-        part way (a hidden-state source gave up): the sampler and RNG as that step found them, so a
-        resume draws and trains its batches again."""
-        d, sh = self.d, self.sharding
-        # collectives: every rank sends its shards, rank 0 gets the full weights and optimizer state
-        weights, optimizer_state = sh.gather_state(self.optimizer)
-        moments = gather_objects(sh.local_moment_numel(self.optimizer), d)
-        sampler, rng = self.step_start if at_step_start else (self.sampler.state_dict(), rng_state())
-        samplers = gather_objects(sampler, d)
-        rngs = gather_objects(rng, d)
-        sums = [float(x) for x in torch.cat(gather_objects(sh.fingerprint(), d))]
-        in_sync = all(x == sums[0] for x in sums)
-        if d.is_main:
-            state = {
-                "step": self.step,
-                "tokens": self.tokens,
-                "optimizer": optimizer_state,
-                "scheduler": self.scheduler.state_dict(),
-                "sampler": samplers if d.enabled else samplers[0],
-                "rng": rngs if d.enabled else rngs[0],
-                "world_size": d.world_size,
-            }
-            meta = {
-                "tokens": self.tokens,
-                "run_id": self.events.run_id,
-                "reason": reason,
-                "time": time.time(),
-                "world_size": d.world_size,
-                "ranks_in_sync": in_sync,
-            }
-            saved = ckpt.save_checkpoint(
-                self.cfg.out_dir,
-                self.step,
-                self.drafter,
-                state,
-                meta,
-                self.cfg.train.keep_checkpoints,
-                state_dict=weights,
-            )
-            self.emit(
-                "checkpoint",
-                step=self.step,
-                name=saved.path.name,
-                path=str(saved.path),
-                size_bytes=saved.size_bytes,
-                seconds=round(saved.seconds, 3),
-                reason=reason,
-                ranks_in_sync=in_sync,
-                removed=saved.removed,
-                optimizer_sharded=sh.level != "none",
-                shard=sh.level,
-                moment_numel_per_rank=moments,
-            )
-            mib = saved.size_bytes / 2**20
-            self.log(f"checkpoint {saved.path.name} ({mib:.1f} MiB, {saved.seconds:.2f}s, {reason})")
-        if d.enabled:
-            dist.barrier()
-        if not in_sync:
-            raise RuntimeError(f"ranks diverged: weight checksums {sums}")
+    def save(self, reason: str, at_step_start: bool = False):
+        """A checkpoint of the state after step `self.step` (`checkpointing.save`): every rank calls
+        it; rank 0 gets what it wrote, the others None."""
+        return checkpointing.save(self, reason, at_step_start)
 
     def source_warning(self, kind: str, message: str) -> None:
         """A hidden-state source's trouble it is handling itself (a retried request), or what it did
@@ -265,7 +154,7 @@ class Trainer:
         micro-batch's backward all-reduces what was accumulated. Returns (loss, metrics) unscaled."""
         cfg = self.cfg
         with self.sharding.accumulating(local=not sync):
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self._bf16):
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.bf16):
                 _, loss, metrics = self.model(
                     cap.aux,
                     b["input_ids_t"],
@@ -380,57 +269,15 @@ class Trainer:
 
     # -------------------------------------------------------------- run
     def run(self, stop: StopRequest) -> int:
-        cfg, d = self.cfg, self.d
+        cfg, d, report = self.cfg, self.d, self.report
         total = cfg.train.max_steps
-        self.emit(
-            "run_start",
-            schema_version=1,
-            config=cfg.to_dict(),
-            resumed_from=self.resumed_from,
-            start_step=self.step,
-            tokens=self.tokens,
-            layout={
-                "world_size": d.world_size,
-                "device": str(d.device),
-                "device_chosen_by": d.device_why,
-                "target_devices": [str(x) for x in d.target_devices],
-                "source": cfg.target.source,
-                "source_url": getattr(self.source, "url", None),
-                "source_server_pid": getattr(getattr(self.source, "server", None), "pid", None),
-                "gpus_per_copy": cfg.target.gpus_per_copy,
-                "precision": "bf16-autocast" if self._bf16 else "fp32",
-                "aux_ids": cfg.drafter.aux_ids,
-                "target_layers": self.source.num_layers,
-                "hidden_size": self.source.hidden_size,
-                "drafter_trainable_params": self.n_trainable,
-                "draft_vocab_size": int(self.drafter.draft_vocab_size),
-                "draft_vocab_coverage": round(float(self.drafter.draft_vocab_coverage), 6),
-                "position_weights": cfg.train.position_weights,
-                "optimizer": self.sharding.description,
-                "shard": self.sharding.level,
-                "activation_checkpointing": cfg.train.activation_checkpointing,
-                "embedding_shared_with_target": self.embedding_not_shared is None,
-                "embedding_not_shared_because": self.embedding_not_shared,
-            },
-            totals={
-                "total_steps": total,
-                "max_tokens_per_step": cfg.train.max_tokens_per_step(d.world_size),
-                "total_tokens": cfg.train.max_tokens_per_step(d.world_size) * total,
-                "data": self.data_totals,
-            },
-            pid=os.getpid(),
-        )
-        self.log(
-            f"run start: steps {self.step + 1}..{total}, world {d.world_size}, "
-            f"device {d.device} ({d.device_why}), "
-            f"{self.n_trainable / 1e6:.2f}M trainable drafter params, aux ids {cfg.drafter.aux_ids}, "
-            f"{self.sharding.description}, heads over {self.drafter.draft_vocab_size} tokens "
-            f"({self.drafter.draft_vocab_coverage:.1%} of the supervised tokens)"
-        )
+        report.run_start(self)
         status, code = "completed", ExitCode.OK
-        t_start = time.monotonic()
         self.mark_node("running")
         beats = self.beats
+        nodes = (
+            beats.nodes if self.multi_node and d.is_main else None
+        )  # each node's progress, for the monitor
         health = RunHealth(cfg, self.emit, self.log, where=beats.laggards if beats.enabled else None)
         watchdog = StallWatchdog(health.on_stall, cfg.train.stall_factor, cfg.train.stall_min_s).start()
         try:
@@ -442,20 +289,8 @@ class Trainer:
                     status, code = "failed", ExitCode.FAILED
                     break
                 m.pop("finite")
-                if self.step % cfg.train.log_every == 0 or self.step == total:
-                    if self.multi_node and d.is_main:  # each node's progress, for the monitor
-                        m["nodes"] = beats.nodes()
-                    self.emit("step", step=self.step, total_steps=total, tokens=self.tokens, **m)
-                    if (
-                        self.step % max(1, cfg.train.log_every * 10) == 0
-                        or self.step == total
-                        or self.step == 1
-                    ):
-                        self.log(
-                            f"step {self.step}/{total} loss {m['loss']:.4f} eal {m['eal'] or 0:.3f} "
-                            f"lr {m['lr']:.2e} {m['tokens_per_s'] or 0:.0f} tok/s"
-                        )
-                stop_now = self._stop_requested(stop)
+                report.step(self.step, self.tokens, m, nodes)
+                stop_now = self.stop_requested(stop)
                 if self.step % cfg.train.checkpoint_every == 0 or self.step == total or stop_now:
                     self.save("signal" if stop_now else ("final" if self.step == total else "periodic"))
                 if stop_now:
@@ -468,30 +303,13 @@ class Trainer:
                 # that the service restarts the run, which resumes at the failed step
                 self.log(f"hidden-state server lost at step {self.step + 1}: final checkpoint, then exit")
                 self.save("source_failed", at_step_start=True)
-            self.emit(
-                "run_end",
-                status=status,
-                step=self.step,
-                tokens=self.tokens,
-                error=f"{type(exc).__name__}: {exc}",
-                wall_s=round(time.monotonic() - t_start, 3),
-            )
-            self.log(f"run failed at step {self.step}: {type(exc).__name__}: {exc}")
+            report.run_failed(status, self.step, self.tokens, exc)
             self.mark_node(status)
             raise
         finally:
             watchdog.stop()
         stop.cancel()
-        self.emit(
-            "run_end",
-            status=status,
-            step=self.step,
-            tokens=self.tokens,
-            wall_s=round(time.monotonic() - t_start, 3),
-            signal=stop.signum,
-            last_checkpoint=(ckpt.read_latest(cfg.out_dir).name if ckpt.read_latest(cfg.out_dir) else None),
-        )
-        self.log(f"run {status} at step {self.step}")
+        report.run_end(status, self.step, self.tokens, stop.signum)
         self.mark_node(status)
         return int(code)
 
@@ -515,7 +333,7 @@ class Trainer:
             node = int(os.environ[NODE_RANK_ENV])
             write_node_marker(self.cfg.out_dir, node, self.node_started, status, self.step)
 
-    def _stop_requested(self, stop: StopRequest) -> bool:
+    def stop_requested(self, stop: StopRequest) -> bool:
         return any_rank(stop.signum is not None, self.d)
 
 
