@@ -24,6 +24,7 @@ from pydantic import (
 )
 
 from trainer.errors import DflashError
+from trainer.training.eval_config import EvalConfig
 
 SCHEMA_VERSION = 1
 
@@ -387,6 +388,7 @@ class RunConfig(_Section):
         "requirements/trackers.txt); [] none",
     )
     trackers: TrackersConfig = Field(default_factory=TrackersConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
 
     @field_validator("report_to")
     @classmethod
@@ -412,6 +414,7 @@ class RunConfig(_Section):
         self.out_dir = fix(self.out_dir)
         self.drafter.warm_start = fix(self.drafter.warm_start)
         self.target.vllm.storage_dir = fix(self.target.vllm.storage_dir)
+        self.eval.resolve_paths(base)
         return self
 
     def to_dict(self) -> dict[str, Any]:
