@@ -170,3 +170,43 @@ def test_run_params_are_flat_and_a_tracking_uri_is_said_without_its_credentials(
     }
     assert redact_url("https://user:secret@mlflow.example:5000/x") == "https://***@mlflow.example:5000/x"
     assert redact_url("file:///runs/mlruns") == "file:///runs/mlruns"
+
+
+class RaisingOnLog(Tracker):
+    """Starts, then raises on every log and at finish (the sidecar imports it by module:Class)."""
+
+    name = "raising_on_log"
+
+    def start(self, run):
+        pass
+
+    def log(self, step, metrics):
+        raise RuntimeError("tracker down")
+
+    def finish(self, status):
+        raise RuntimeError("tracker down")
+
+
+def test_the_sidecar_process_follows_the_run_warns_once_and_ends_when_told(tmp_path, monkeypatch):
+    from tests.conftest import REPO
+    from trainer.trackers.sidecar import TrackerProcess
+
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    events = EventWriter(tmp_path, "r")
+    spec = {
+        "out_dir": str(tmp_path),
+        "run_id": "r",
+        "offset": 0,
+        "trackers": ["tests.unit.test_trackers:RaisingOnLog"],
+        "project": "p",
+        "max_failures": 10**9,  # never dropped: every step's call raises
+        "close_timeout_s": 20.0,
+    }
+    proc = TrackerProcess(spec, events).start()
+    a_run(events, steps=5)
+    t0 = time.perf_counter()
+    proc.close()
+    assert proc.proc is None and time.perf_counter() - t0 < 20
+    warnings = [e for e in load_events(tmp_path / "events.jsonl") if e["event"] == "warning"]
+    assert [(w["kind"], w["tracker"]) for w in warnings] == [("tracker_failed", "raising_on_log")]
+    assert "tracker raising_on_log started" in (tmp_path / "train.log").read_text()

@@ -1,8 +1,9 @@
 """Experiment trackers (`report_to` in the run config): W&B, TensorBoard, trackio and MLflow get the
 run's events from rank 0 through each library's own client. The trackers follow the event stream
-(follow.py), the adapters are in clients.py. Their packages are an optional extra
-(requirements/trackers.txt): a config that names a tracker whose package is missing is refused by
-preflight (and by `dflash train` before the models load), exit 2. Light side. Docs: docs/train.md.
+(follow.py) in a process of their own beside rank 0 (sidecar.py); the adapters are in clients.py.
+Their packages are an optional extra (requirements/trackers.txt): a config that names a tracker whose
+package is missing is refused by preflight (and by `dflash train` before the models load), exit 2.
+Light side. Docs: docs/train.md.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from trainer.errors import DflashError
 if TYPE_CHECKING:
     from trainer.config import RunConfig
     from trainer.events import EventWriter
-    from trainer.trackers.follow import TrackerHub
+    from trainer.trackers.sidecar import TrackerProcess
 
 # tracker -> (the module its client imports, the package that provides it: requirements/trackers.txt)
 PACKAGES = {
@@ -46,21 +47,26 @@ INSTALL_FIX = (
 )
 
 
-def start_trackers(cfg: RunConfig, events: EventWriter) -> TrackerHub | None:
-    """The trackers of `cfg.report_to` following this run's events (None when it names none). Raises
-    TrackerPackageMissing before anything starts when a package is missing."""
+def start_trackers(cfg: RunConfig, events: EventWriter) -> TrackerProcess | None:
+    """The trackers of `cfg.report_to` following this run's events from now on, in a process of their
+    own (sidecar.py); None when it names none. Raises TrackerPackageMissing before anything starts when
+    a package is missing."""
     if not cfg.report_to:
         return None
     missing = missing_packages(cfg.report_to)
     if missing:
         raise TrackerPackageMissing(f"{missing_message(missing)}: {INSTALL_FIX}")
-    from trainer.trackers.clients import TRACKER_CLASSES
-    from trainer.trackers.follow import TrackerHub
+    from trainer.trackers.sidecar import TrackerProcess
 
     t = cfg.trackers
-    options = {"wandb": {"mode": t.wandb_mode}}
-    trackers = [
-        TRACKER_CLASSES[name](cfg.out_dir, t.project, events.run_id, options.get(name))
-        for name in cfg.report_to
-    ]
-    return TrackerHub(events, trackers, t.max_failures, t.close_timeout_s).start()
+    spec = {
+        "out_dir": str(cfg.out_dir),
+        "run_id": events.run_id,
+        "offset": events.path.stat().st_size if events.path.is_file() else 0,  # this run's events only
+        "trackers": list(cfg.report_to),
+        "project": t.project,
+        "options": {"wandb": {"mode": t.wandb_mode}},
+        "max_failures": t.max_failures,
+        "close_timeout_s": t.close_timeout_s,
+    }
+    return TrackerProcess(spec, events).start()

@@ -101,6 +101,8 @@ class Follower(threading.Thread):
             if not self.started:
                 with START_LOCK:  # one library's import and start at a time (they share dependencies)
                     self.started = self.call("start", lambda: self.tracker.start(ev), fatal=True)
+                if self.started:
+                    self.events.log(f"tracker {self.tracker.name} started: {self.tracker.where()}")
             return
         if not self.started:
             return
@@ -153,14 +155,16 @@ class TrackerHub:
         max_failures: int = 3,
         close_timeout_s: float = 30.0,
         poll_s: float = POLL_S,
+        offset: int | None = None,
     ):
+        """`offset`: where in events.jsonl this run's events begin (None: its end now)."""
         self.events, self.close_timeout_s = events, close_timeout_s
-        offset = events.path.stat().st_size if events.path.is_file() else 0  # this run's events only
+        if offset is None:
+            offset = events.path.stat().st_size if events.path.is_file() else 0
         self.followers = [Follower(t, events, offset, max_failures, poll_s) for t in trackers]
 
     def start(self) -> TrackerHub:
         for f in self.followers:
-            self.events.log(f"tracker {f.tracker.name}: {f.tracker.where()}")
             f.start()
         return self
 
