@@ -42,6 +42,7 @@ LIGHT = (
     "trainer.trackers",
     "trainer.trackers.clients",
     "trainer.trackers.follow",
+    "trainer.trackers.sidecar",
     "trainer.run_init",
     "trainer.regenerate.chat_input",
     "trainer.eval.options",
