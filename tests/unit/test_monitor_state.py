@@ -459,3 +459,31 @@ def test_eval_events_reach_the_summary_and_its_text(tmp_path):
     w.emit("eval", step=1, checkpoint="step-00000001", tau=1.5, rounds=4)
     text = render_summary(tmp_path)
     assert "tau 1.500 at step 1 (dflash eval, 2 in all)" in text
+
+
+def tau_stall_of(taus: list[tuple[int, float]], losses: dict[int, float]) -> list[dict]:
+    st = RunState()
+    st.feed(start_event(total=100, t=1000.0))
+    for step in range(1, 101):
+        st.feed(
+            step_event(
+                step, 1000.0 + step, loss=losses.get(step, losses[max(s for s in losses if s <= step)])
+            )
+        )
+    for step, tau in taus:
+        st.feed({"event": "eval", "time": 2000.0, "run_id": "r", "step": step, "tau": tau})
+    return [a for a in evaluate(st, 1100.0, Thresholds()) if a["kind"] == "tau_stall"]
+
+
+def test_tau_stall_fires_when_tau_stops_while_loss_falls_and_not_otherwise():
+    falling = {1: 3.0, 30: 2.0, 60: 1.5, 90: 1.0}  # the loss keeps falling: 3.0 -> 1.0
+    flat_tau = [(30, 2.10), (60, 2.12), (90, 2.14)]  # the best gain over the first eval: 0.04 <= 0.05
+    (alert,) = tau_stall_of(flat_tau, falling)
+    assert alert["level"] == "warn" and alert["steps"] == [30, 60, 90] and alert["taus"] == [2.10, 2.12, 2.14]
+    assert alert["loss_drop"] == pytest.approx(0.5) and "2.100 → 2.120 → 2.140" in alert["message"]
+    assert not tau_stall_of([(30, 2.10), (60, 2.12), (90, 2.30)], falling), "τ still gains: no alert"
+    assert not tau_stall_of(flat_tau, {1: 3.0, 21: 1.0, 90: 0.99}), "loss flat too (0.1% < 2%): a plateau"
+    assert not tau_stall_of(flat_tau[1:], falling), "fewer than 3 evals say nothing"
+    # the newest eval of a step counts (a resumed run evaluates its checkpoint again)
+    assert not tau_stall_of([*flat_tau, (90, 2.5)], falling)
+    assert tau_stall_of([(10, 2.5), *flat_tau], falling), "only the last 3 evals"

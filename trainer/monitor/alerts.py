@@ -3,10 +3,14 @@ stream's (`event`, `kind`, `message`), plus `level` ("error" or "warn"). Light s
 
 from __future__ import annotations
 
+import math
+from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Any
 
 from trainer.monitor.state import RunState
+
+LOSS_WINDOW = 10  # step events averaged for the loss at an eval's step
 
 
 @dataclass(frozen=True)
@@ -14,6 +18,9 @@ class Thresholds:
     stall_factor: float = 5.0  # no step event for this many median step-event gaps ...
     stall_min_s: float = 60.0  # ... and at least this long
     disk_min_bytes: int = 10 * 2**30
+    tau_stall_evals: int = 3  # τ stalls: over the last this many evals (by step) ...
+    tau_stall_gain: float = 0.05  # ... the newer ones beat the oldest by no more than this (tokens) ...
+    tau_stall_loss_drop: float = 0.02  # ... while the loss fell by more than this share
 
 
 # trainer warnings worth an alert of their own (nonfinite_loss and stall have theirs)
@@ -98,6 +105,9 @@ def evaluate(
                 free_bytes=disk["free_bytes"],
             )
         )
+    stall = tau_stall(state, th)
+    if stall is not None:
+        out.append(stall)
     if state.status == "failed":
         err = (state.end or {}).get("error")
         out.append(
@@ -106,3 +116,40 @@ def evaluate(
             )
         )
     return out
+
+
+def loss_at(state: RunState, step: int) -> float | None:
+    """Mean of the last LOSS_WINDOW finite losses at or before `step` (None: no step event yet)."""
+    end = bisect_right(state.steps, step)
+    ys = [v for v in state.curves["loss"][max(0, end - LOSS_WINDOW) : end] if math.isfinite(v)]
+    return sum(ys) / len(ys) if ys else None
+
+
+def tau_stall(state: RunState, th: Thresholds) -> dict[str, Any] | None:
+    """τ stalls while the loss still falls: over the last `tau_stall_evals` evals (one per step, the
+    newest for a step evaluated twice), none after the first beats its τ by more than
+    `tau_stall_gain`, while the loss at the last eval's step is more than `tau_stall_loss_drop` (a
+    share) below the loss at the first one's. The loss then measures something τ does not reward:
+    worth a look before more GPU hours (docs/monitor.md)."""
+    n = th.tau_stall_evals
+    window = state.tau_curve()[-n:]
+    if len(window) < n:
+        return None
+    (s0, t0), (s1, _) = window[0], window[-1]
+    gain = max(t for _, t in window[1:]) - t0
+    l0, l1 = loss_at(state, s0), loss_at(state, s1)
+    if gain > th.tau_stall_gain or l0 is None or l1 is None or l0 <= 0:
+        return None
+    drop = (l0 - l1) / l0
+    if drop <= th.tau_stall_loss_drop:
+        return None
+    taus = " → ".join(f"{t:.3f}" for _, t in window)
+    return _alert(
+        "tau_stall",
+        "warn",
+        f"τ stalled over the last {n} evals (steps {s0}..{s1}: {taus}, best gain {gain:+.3f}) while the loss "
+        f"fell {drop:.1%} ({l0:.4f} → {l1:.4f}): the loss improves what acceptance does not reward",
+        steps=[s for s, _ in window],
+        taus=[t for _, t in window],
+        loss_drop=round(drop, 4),
+    )

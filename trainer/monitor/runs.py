@@ -160,6 +160,7 @@ class RunMonitor:
                 "last_checkpoint": st.checkpoints[-1] if st.checkpoints else None,
                 "checkpoints": len(st.checkpoints),
                 "last_eval": _eval_view(st.evals[-1]) if st.evals else None,
+                "tau_curve": st.tau_curve(),  # the page's τ chart (few points: one per eval)
                 "warnings": redact(st.warnings[-20:]),
                 "end": redact(st.end),
                 "disk": dk,
@@ -185,7 +186,7 @@ def _finite_or_text(v: Any) -> Any:
 
 
 def _eval_view(ev: dict[str, Any]) -> dict[str, Any]:
-    keep = ("tau", "step", "time", "name", "checkpoint", "prompts", "per_position_acceptance")
+    keep = ("tau", "tree_tau", "step", "time", "name", "checkpoint", "prompts", "per_position_acceptance")
     return {k: ev[k] for k in keep if k in ev}
 
 

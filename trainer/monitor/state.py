@@ -246,6 +246,20 @@ class RunState:
             idx = minmax_indices(idx, ys, max(1, max_points // 2))
         return [[xs[i], ys[i]] for i in idx]
 
+    def tau_curve(self) -> list[list[float]]:
+        """[[step, τ], ...] of the eval events, by step (the newest eval of a step evaluated twice)."""
+        by_step: dict[int, float] = {}
+        for ev in self.evals:
+            tau, step = num(ev.get("tau")), ev.get("step")
+            if (
+                tau is not None
+                and math.isfinite(tau)
+                and isinstance(step, int)
+                and not isinstance(step, bool)
+            ):
+                by_step[step] = tau
+        return [[s, t] for s, t in sorted(by_step.items())]
+
     def head_tail_means(self, key: str) -> tuple[float | None, float | None]:
         """Mean over the first and the last tenth of the step events (finite values only)."""
         n = len(self.steps)
