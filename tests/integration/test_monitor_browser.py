@@ -181,6 +181,23 @@ def test_live_updates_alerts_summary_and_selector(browser, tmp_path, monkeypatch
             "0 gpu-a: step 12 (0.50s) · 1 gpu-b: step 12 (1.25s)", timeout=10_000
         )
 
+        # τ measured while training: the τ curve beside the loss (one point per evaluated step, drawn in
+        # its colour) and the last eval τ with its tree τ
+        for step, tau in ((6, 1.75), (12, 2.5)):
+            w.emit("eval", step=step, checkpoint=f"step-{step:08d}", tau=tau, tree_tau={"4": tau + 0.5})
+        expect(page.get_by_test_id("eval-tau")).to_have_text(
+            "2.500 (step 12) · tree 4: 3.000", timeout=10_000
+        )
+        expect(page.get_by_test_id("chart-tau")).to_have_attribute("data-points", "2")
+        tau_pixels = page.evaluate(
+            """() => { const c = document.getElementById("chart-tau");
+                 const d = c.getContext("2d").getImageData(0, 0, c.width, c.height).data; let n = 0;
+                 for (let i = 0; i < d.length; i += 4)
+                   if (d[i] > 200 && d[i + 1] > 110 && d[i + 1] < 150 && d[i + 2] < 80) n++;
+                 return n; }"""
+        )
+        assert tau_pixels > 50, f"the τ line is not drawn ({tau_pixels} pixels of its colour)"
+
         # a finished run stays readable: the summary
         w.emit("run_end", status="stopped", step=12, tokens=12000, wall_s=30.0, last_checkpoint=None)
         summary = page.get_by_test_id("summary")

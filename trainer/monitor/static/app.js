@@ -9,6 +9,7 @@ const LOG_KEEP = 1000;
 let source = null;
 let runId = null;
 let curves = { loss: [], eal: [], lr: [] };
+let tauCurve = []; // [[step, τ], ...]: one point per eval event (status.tau_curve)
 let lastStatus = null;
 let autoScroll = true;
 
@@ -126,7 +127,7 @@ function drawChart(canvas, points, color) {
   if (points.length === 1) { ctx.fillStyle = color; ctx.beginPath(); ctx.arc(X(x0), Y(points[0][1]), 3, 0, 7); ctx.fill(); }
 }
 
-const COLORS = { loss: "#2f6fde", eal: "#1f9d55", lr: "#8a5cd6" };
+const COLORS = { loss: "#2f6fde", eal: "#1f9d55", lr: "#8a5cd6", tau: "#d9822b" };
 let drawPending = false;
 function redraw() {
   if (drawPending) return;
@@ -134,6 +135,7 @@ function redraw() {
   requestAnimationFrame(() => {
     drawPending = false;
     for (const k of CURVES) drawChart($(`chart-${k}`), curves[k], COLORS[k]);
+    drawChart($("chart-tau"), tauCurve, COLORS.tau);
   });
 }
 
@@ -272,7 +274,12 @@ function renderStatus(s) {
   setText("ckpt-when", c ? `${fmtAgo(c.time, s.now)} (step ${fmtInt(c.step)})` : "–");
   setText("ckpt-size", c ? fmtBytes(c.size_bytes) : "–");
   setText("ckpt-count", String(s.checkpoints));
-  setText("eval-tau", s.last_eval && s.last_eval.tau !== undefined ? `${fmtNum(s.last_eval.tau, 3)} (step ${fmtInt(s.last_eval.step)})` : "–");
+  const ev = s.last_eval;
+  const trees = ev && ev.tree_tau ? Object.entries(ev.tree_tau).map(([b, t]) => ` · tree ${b}: ${fmtNum(t, 3)}`).join("") : "";
+  setText("eval-tau", ev && ev.tau !== undefined ? `${fmtNum(ev.tau, 3)} (step ${fmtInt(ev.step)})${trees}` : "–");
+  const tc = s.tau_curve || [];
+  if (JSON.stringify(tc) !== JSON.stringify(tauCurve)) { tauCurve = tc; redraw(); }
+  $("chart-tau").dataset.points = String(tauCurve.length);
   setText("run-status", s.status + (s.alive === false ? " (process gone)" : ""));
   setText("run-started", fmtTime(s.started_at));
   setText("run-starts", String(s.starts));
