@@ -195,6 +195,8 @@ def test_eval_on_gsm8k_then_push_with_card_resumable_and_idempotent(hub, hf_home
     assert "already holds the export" in res.stdout and "nothing sent" in res.stdout
     assert len(srv.commits) == 1 and srv.received == received
     assert sum(m == "PUT" for m, _, _ in srv.requests) == puts
+    res = dflash(e, *push, "--revision", "v1")  # a new branch starts from main: nothing to send either
+    assert f"hf://{REPO}@v1 already has" in res.stdout and srv.heads[REPO]["v1"] == srv.heads[REPO]["main"]
 
     # a push that died after uploading the weights but before its commit: the rerun commits them
     # without sending their bytes again (the Hub already holds the LFS object)
