@@ -108,9 +108,13 @@ def _recipe(config: dict[str, Any] | None) -> list[str]:
     if not config:
         return ["| recipe | not recorded (the checkpoint is not in a run's out_dir) |"]
     rows = []
+    weights = (config.get("train") or {}).get("position_weights")
+    unused = {"exp": {"dpace_alpha"}, "dpace": {"gamma"}}.get(weights, set())  # the other scheme's knob
+    if (config.get("train") or {}).get("optimizer") != "muon":
+        unused.add("muon_lr")
     for section, keys in LEVERS.items():
         values = config.get(section) or {}
-        got = [f"{k} {json.dumps(values[k])}" for k in keys if values.get(k) is not None]
+        got = [f"{k} {json.dumps(values[k])}" for k in keys if values.get(k) is not None and k not in unused]
         rows.append(f"| {section} | {', '.join(got) or '–'} |")
     data = config.get("data") or {}
     rows.append(

@@ -1,10 +1,13 @@
 """The model card `dflash export --push-to-hub` writes (trainer/hub_card.py): the τ table per prompt set
 (chain, tree per budget, vLLM) from the run's `eval` events of the exported checkpoint, "not measured"
-without them, the serve line with the Hub repo, and the same bytes for the same records."""
+without them, the serve line with the Hub repo, and the same bytes for the same records; and the
+checks trainer/hub_push.py makes before any export work (repo name, token, offline, a rerun's --out)."""
 
 from __future__ import annotations
 
 import json
+
+import pytest
 
 from trainer.hub_card import render_card, tau_table
 
@@ -65,3 +68,46 @@ def test_without_eval_events_tau_is_not_measured(tmp_path):
     ]
     lone = render_card({**export_info(tmp_path / "elsewhere"), "verifier": "/models/local"}, "org/x")
     assert "recipe | not recorded" in lone and "base_model" not in lone  # a local path is no Hub id
+
+
+def test_the_recipe_row_leaves_out_the_knobs_the_run_did_not_use(tmp_path):
+    write_run(tmp_path, [])  # muon, dpace weights
+    card = render_card(export_info(tmp_path), "org/x")
+    assert 'position_weights "dpace"' in card and "gamma" not in card
+
+
+def test_a_push_that_cannot_happen_is_refused_before_the_export(tmp_path, monkeypatch):
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    from trainer.hub import HubError
+    from trainer.hub_push import prepare
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub, "get_token", lambda: "hf_from_the_login")
+    with pytest.raises(HubError, match="name the repo as ORG/NAME"):
+        prepare("just-a-name")
+    with pytest.raises(HubError, match="names revision 'main' but --revision says 'v2'"):
+        prepare("org/x@main", "v2")
+    assert prepare("org/x", "v2").token == "hf_from_the_login"
+    token = tmp_path / "token"
+    token.write_text("hf_from_the_file\n")
+    push = prepare("org/x", token_file=str(token))
+    assert (push.repo, push.revision, push.token) == ("org/x", "main", "hf_from_the_file")
+    monkeypatch.setattr(huggingface_hub, "get_token", lambda: None)
+    with pytest.raises(HubError, match="needs a Hub token with write access"):
+        prepare("org/x")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(HubError, match="HF_HUB_OFFLINE is set"):
+        prepare("org/x", token_file=str(token))
+
+    # a rerun pushes the export already in --out; anything else there is refused
+    out = tmp_path / "export"
+    assert push.reuses(out, tmp_path / "run") is False
+    out.mkdir()
+    with pytest.raises(HubError, match="is not a finished export"):
+        push.reuses(out, tmp_path / "run")
+    (out / "dflash_export.json").write_text(json.dumps({"source": str(tmp_path / "run/checkpoints/step-9")}))
+    assert push.reuses(out, tmp_path / "run") is True  # the run's out_dir: its checkpoint
+    with pytest.raises(HubError, match="not of --checkpoint"):
+        push.reuses(out, tmp_path / "other-run")
