@@ -25,6 +25,7 @@ from trainer.errors import ExitCode
 from trainer.events import EventWriter
 from trainer.node_marker import write_node_marker
 from trainer.sources.vllm_server import VllmServerError
+from trainer.trackers import start_trackers
 from trainer.training import checkpointing
 from trainer.training.distributed import (
     NODE_RANK_ENV,
@@ -381,10 +382,13 @@ def train(cfg: RunConfig, skip_preflight: bool = False) -> int:
     trainer = Trainer(cfg, d, events)
     trainer.build()
     trainer.resume()
+    trackers = start_trackers(cfg, events) if d.is_main else None  # report_to: beside rank 0
     try:
         code = trainer.run(stop)
     finally:
         trainer.close()
+        if trackers is not None:
+            trackers.close()  # they finish what the run wrote
     if d.enabled and dist.is_initialized():
         leave_without_teardown(code)
     return code
