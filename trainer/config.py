@@ -315,7 +315,9 @@ class TrainConfig(_Section):
         if isinstance(data, dict) and data.get("time_budget") is not None:
             if data.get("warmup_steps") is not None:
                 raise ValueError("train.warmup_steps counts steps; with train.time_budget use warmup_ratio")
-            data = {"max_steps": 10**9} | data
+            from trainer.training.budget import BUDGET_ONLY_STEPS
+
+            data = {"max_steps": BUDGET_ONLY_STEPS} | data
         return data
 
     @property

@@ -158,11 +158,12 @@ def test_a_restart_counts_the_time_spent_and_continues_the_schedule(tmp_path):
     # the restart: a new process (its clock elsewhere, 60 s of restart delay not counted)
     clock2 = FakeClock(9000.0)
     _, control2, sched2 = make(tmp_path, clock2, every=30)
+    clock2.now += 5.0  # the restart's preflight and loading
     control2.load_state_dict(budget_state, step0)
     sched2.load_state_dict(sched_state)
-    assert control2.budget.spent() >= killed_at - 2.0, "budget.json's time after the checkpoint counts"
+    assert control2.budget.spent() == pytest.approx(killed_at + 5.0), "budget.json's time, and loading"
     steps, lrs2, _ = simulate(control2, sched2, clock2, step_s=1.0, ckpt_s=2.0, start=30)
-    total = killed_at + (clock2.now - 9000.0)
+    total = killed_at + (clock2.now - 9000.0)  # the restart's clock counts from its start
     assert total <= 100.0 + 2.0, f"both starts together: {total} s of a 100 s budget"
     assert lrs2[0] <= lrs1[-1], "the schedule continues (the redone steps at the clock's rate)"
     assert lrs2[-1] == pytest.approx(1e-3)

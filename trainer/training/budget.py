@@ -33,6 +33,7 @@ MAX_BUDGET_S = 366 * 86400
 SLACK = 1.25  # the stop margin over the measured checkpoint write + one step
 EMA = 0.3  # weight of the newest step time in the running estimate
 BUDGET_FILE = "budget.json"
+BUDGET_ONLY_STEPS = 10**9  # train.max_steps of a config with a time budget and no max_steps
 WRITE_EVERY_S = 2.0  # budget.json's refresh
 
 
@@ -171,8 +172,7 @@ class RunBudget:
         spent = float(state.get("spent_s") or 0.0)
         if out_dir is not None:
             spent = max(spent, read_spent(out_dir))
-        self.spent_before = spent
-        self.t0 = self.clock()
+        self.spent_before = spent  # this start's own time (loading, preflight) goes on counting from t0
         self.step_s = state.get("step_s")
         self.checkpoint_s = state.get("checkpoint_s")
         self.progress = float(state.get("progress") or 0.0)
@@ -216,7 +216,7 @@ class BudgetControl:
         self.budget = RunBudget(train.time_budget_s, clock=clock)
         self.max_steps, self.every = train.max_steps, train.checkpoint_every
         self.out_dir, self.is_main = Path(out_dir), is_main
-        self.saved_step: int | None = None  # the step of the newest checkpoint (a resume's too)
+        self.saved_step = 0  # the step of the newest checkpoint (a resume's too; nothing at step 0)
         self.agree = agree or (lambda values: values)
         self.plan: StepPlan | None = None
         self._t_step = 0.0
@@ -280,6 +280,10 @@ class BudgetControl:
 
     def event_fields(self) -> dict[str, Any]:
         return self.budget.event_fields()
+
+    def start_fields(self) -> dict[str, Any]:
+        """run_start's totals: the budget and the time spent (earlier starts, this one's loading)."""
+        return {"time_budget_s": self.budget.budget_s, "budget_spent_s": round(self.budget.spent(), 3)}
 
     def finish(self, step: int) -> dict[str, Any]:
         """Stop the ticker, budget.json once more; the run_end's figures."""

@@ -34,6 +34,7 @@ class TrainState(Protocol):
     tokens: int
     resumed_from: str | None
     step_start: tuple[Any, Any]  # (sampler, RNG) as the current step found them (vLLM source)
+    budget: Any  # trainer.training.budget.BudgetControl with train.time_budget, else None
 
     def emit(self, event: str, **fields) -> None: ...
     def log(self, msg: str) -> None: ...
@@ -89,6 +90,8 @@ def resume(tr: TrainState) -> None:
     rngs = state["rng"]
     set_rng_state(rngs[d.rank] if isinstance(rngs, list) else rngs)
     tr.step, tr.tokens = int(state["step"]), int(state["tokens"])
+    if tr.budget is not None:  # the time spent goes on counting (budget.json's, when later)
+        tr.budget.load_state_dict(state.get("budget"), tr.step)
     tr.resumed_from = chosen
     tr.log(f"resumed from {folder.name} (step {tr.step}, {tr.tokens} tokens)")
 
@@ -118,6 +121,8 @@ def save(tr: TrainState, reason: str, at_step_start: bool = False) -> ckpt.Saved
             "rng": rngs if d.enabled else rngs[0],
             "world_size": d.world_size,
         }
+        if tr.budget is not None:  # train.time_budget's clock and the schedule's progress
+            state["budget"] = tr.budget.state_dict()
         meta = {
             "tokens": tr.tokens,
             "run_id": tr.events.run_id,

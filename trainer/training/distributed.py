@@ -159,6 +159,14 @@ def any_rank(flag: bool, d: Dist) -> bool:
     return bool(all_reduce_(t, d, dist.ReduceOp.MAX).item())
 
 
+def max_over_ranks(values: list[float], d: Dist) -> list[float]:
+    """Each value's maximum over the ranks (a collective; `values` itself on a single process)."""
+    if not d.enabled:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=d.device)
+    return all_reduce_(t, d, dist.ReduceOp.MAX).tolist()
+
+
 def gather_objects(obj, d: Dist) -> list:
     """`obj` of every rank, in rank order, on every rank ([obj] on a single process)."""
     if not d.enabled:

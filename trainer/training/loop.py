@@ -27,12 +27,14 @@ from trainer.node_marker import write_node_marker
 from trainer.sources.vllm_server import VllmServerError
 from trainer.trackers import start_trackers
 from trainer.training import checkpointing
+from trainer.training.budget import BudgetControl
 from trainer.training.distributed import (
     NODE_RANK_ENV,
     Dist,
     all_ranks,
     any_rank,
     leave_without_teardown,
+    max_over_ranks,
     setup_dist,
 )
 from trainer.training.health import RunHealth, features_finite, target_agreement
@@ -49,8 +51,9 @@ POSITION_WEIGHTS = {"exp": "fixed-exp-decay", "dpace": "dpace"}
 
 # ---------------------------------------------------------------- the run
 class Trainer:
-    def __init__(self, cfg: RunConfig, d: Dist, events: EventWriter):
+    def __init__(self, cfg: RunConfig, d: Dist, events: EventWriter, budget: BudgetControl | None = None):
         self.cfg, self.d, self.events = cfg, d, events
+        self.budget = budget  # train.time_budget: the schedule and the stop follow its clock (budget.py)
         self.report = RunEvents(cfg, d, events)
         self.emit, self.log = self.report.emit, self.report.log  # rank 0's voice (no-ops elsewhere)
 
@@ -113,7 +116,11 @@ class Trainer:
     def save(self, reason: str, at_step_start: bool = False):
         """A checkpoint of the state after step `self.step` (`checkpointing.save`): every rank calls
         it; rank 0 gets what it wrote, the others None."""
-        return checkpointing.save(self, reason, at_step_start)
+        if self.budget is None:
+            return checkpointing.save(self, reason, at_step_start)
+        saved = []  # its time, for the budget's stop margin
+        self.budget.timed(lambda: saved.append(checkpointing.save(self, reason, at_step_start)), self.step)
+        return saved[0]
 
     def source_warning(self, kind: str, message: str) -> None:
         """A hidden-state source's trouble it is handling itself (a retried request), or what it did
@@ -281,21 +288,33 @@ class Trainer:
         )  # each node's progress, for the monitor
         health = RunHealth(cfg, self.emit, self.log, where=beats.laggards if beats.enabled else None)
         watchdog = StallWatchdog(health.on_stall, cfg.train.stall_factor, cfg.train.stall_min_s).start()
+        budget = self.budget
+        if budget is not None:
+            budget.start()
         try:
             while self.step < total:
+                if budget is not None and not budget.before_step(self.step, self.scheduler):
+                    if budget.unsaved(self.step):  # no room for another step: keep those done
+                        self.save("final")
+                    break
                 m = self.train_step()
                 self.step += 1
+                last = self.step == total or (budget is not None and budget.after_step(self.step))
                 watchdog.step_done(self.step)
                 if health.after_step(self.step, m, m.pop("problem", None)):  # too many non-finite steps
                     status, code = "failed", ExitCode.FAILED
                     break
                 m.pop("finite")
-                report.step(self.step, self.tokens, m, nodes)
+                if budget is not None:
+                    m |= budget.event_fields()
+                report.step(self.step, self.tokens, m, nodes, last=last)
                 stop_now = self.stop_requested(stop)
-                if self.step % cfg.train.checkpoint_every == 0 or self.step == total or stop_now:
-                    self.save("signal" if stop_now else ("final" if self.step == total else "periodic"))
+                if self.step % cfg.train.checkpoint_every == 0 or last or stop_now:
+                    self.save("signal" if stop_now else ("final" if last else "periodic"))
                 if stop_now:
                     status = "stopped"
+                    break
+                if last:
                     break
         except BaseException as exc:
             status, code = "failed", ExitCode.FAILED
@@ -309,8 +328,9 @@ class Trainer:
             raise
         finally:
             watchdog.stop()
+            spent = budget.finish(self.step) if budget is not None else {}
         stop.cancel()
-        report.run_end(status, self.step, self.tokens, stop.signum)
+        report.run_end(status, self.step, self.tokens, stop.signum, **spent)
         self.mark_node(status)
         return int(code)
 
@@ -341,6 +361,9 @@ class Trainer:
 def train(cfg: RunConfig, skip_preflight: bool = False) -> int:
     """`dflash train`: preflight, then train (resuming from the newest verified checkpoint)."""
     d = setup_dist(cfg)
+    budget = None
+    if cfg.train.time_budget is not None:  # its clock starts here: preflight and loading count
+        budget = BudgetControl(cfg.train, cfg.out_dir, d.is_main, agree=lambda v: max_over_ranks(v, d))
     set_determinism(d.device)  # on CPU; on CUDA only when asked for (DFLASH_DETERMINISTIC=1)
     run_id = os.environ.get("DFLASH_RUN_ID") or uuid.uuid4().hex[:12]
     events = EventWriter(cfg.out_dir, run_id, enabled=d.is_main)
@@ -379,7 +402,7 @@ def train(cfg: RunConfig, skip_preflight: bool = False) -> int:
 
     stop = StopRequest(cfg.train.stop_timeout_s, on_timeout)
     stop.install()
-    trainer = Trainer(cfg, d, events)
+    trainer = Trainer(cfg, d, events, budget)
     trainer.build()
     trainer.resume()
     trackers = start_trackers(cfg, events) if d.is_main else None  # report_to: beside rank 0

@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 from trainer import checkpoint as ckpt
+from trainer.training.budget import BUDGET_ONLY_STEPS
 
 
 class RunEvents:
@@ -64,8 +65,11 @@ class RunEvents:
             totals={
                 "total_steps": total,
                 "max_tokens_per_step": cfg.train.max_tokens_per_step(d.world_size),
-                "total_tokens": cfg.train.max_tokens_per_step(d.world_size) * total,
+                "total_tokens": None
+                if total == BUDGET_ONLY_STEPS and tr.budget is not None
+                else cfg.train.max_tokens_per_step(d.world_size) * total,
                 "data": tr.data_totals,
+                **(tr.budget.start_fields() if tr.budget is not None else {}),
             },
             pid=os.getpid(),
         )
@@ -78,16 +82,18 @@ class RunEvents:
         )
         self.t_start = time.monotonic()  # run_end's wall_s counts from here
 
-    def step(self, step: int, tokens: int, m: dict[str, Any], nodes=None) -> None:
-        """The step event every `train.log_every` steps and at the last one; a log line at step 1,
-        every ten events and the last step. `nodes`: each node's progress (multi-node, rank 0)."""
+    def step(self, step: int, tokens: int, m: dict[str, Any], nodes=None, last: bool = False) -> None:
+        """The step event every `train.log_every` steps and at the last one (max_steps', or `last`: a
+        time budget's); a log line at step 1, every ten events and the last step. `nodes`: each node's
+        progress (multi-node, rank 0)."""
         total, every = self.cfg.train.max_steps, self.cfg.train.log_every
-        if step % every and step != total:
+        last = last or step == total
+        if step % every and not last:
             return
         if nodes is not None:
             m["nodes"] = nodes()
         self.emit("step", step=step, total_steps=total, tokens=tokens, **m)
-        if step % max(1, every * 10) == 0 or step == total or step == 1:
+        if step % max(1, every * 10) == 0 or last or step == 1:
             self.log(
                 f"step {step}/{total} loss {m['loss']:.4f} eal {m['eal'] or 0:.3f} "
                 f"lr {m['lr']:.2e} {m['tokens_per_s'] or 0:.0f} tok/s"
@@ -107,7 +113,8 @@ class RunEvents:
         )
         self.log(f"run failed at step {step}: {type(exc).__name__}: {exc}")
 
-    def run_end(self, status: str, step: int, tokens: int, signum: int | None) -> None:
+    def run_end(self, status: str, step: int, tokens: int, signum: int | None, **extra) -> None:
+        """`extra`: the time budget's figures (BudgetControl.finish)."""
         latest = ckpt.read_latest(self.cfg.out_dir)
         self.emit(
             "run_end",
@@ -117,5 +124,6 @@ class RunEvents:
             wall_s=self.wall_s(),
             signal=signum,
             last_checkpoint=latest.name if latest else None,
+            **extra,
         )
         self.log(f"run {status} at step {step}")

@@ -124,9 +124,12 @@ class BudgetSchedule:
         return {"progress": self.progress, "last_epoch": self.last_epoch, "base_lrs": self.base_lrs}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.base_lrs, self.last_epoch = list(state["base_lrs"]), int(state["last_epoch"])
+        """A budget's schedule goes on where it was; a step schedule's state (a run given a budget
+        on a restart) keeps its step count and starts the progress from the clock."""
+        self.base_lrs = list(state.get("base_lrs") or self.base_lrs)
+        self.last_epoch = int(state.get("last_epoch", 0))
         self.progress = 0.0
-        self.set_progress(float(state["progress"]))
+        self.set_progress(float(state.get("progress", 0.0)))
 
 
 def make_optimizer(model: torch.nn.Module, cfg: RunConfig, zero: bool):

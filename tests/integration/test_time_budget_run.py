@@ -1,0 +1,69 @@
+"""`train.time_budget` end to end on the tiny target (#36 item 1's check, in seconds instead of minutes):
+a run killed (-9) in a hung step and restarted still ends inside its budget, the time spent before the
+kill counted, the schedule continued and the last step at the floor, the final checkpoint before the
+budget's end. The schedule math and the stop rule on a fake clock: tests/unit/test_time_budget.py."""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import wait_for
+from tests.integration.test_train import ENV, cfg_file, events_of, run_train
+from trainer.checkpoint import read_latest
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_budget_killed_and_restarted_ends_inside_it_at_the_floor(tmp_path, tiny_target, tiny_data):
+    """The first start (a 10-minute budget) is killed in step 8; the restart is given a budget that
+    its own loading and a dozen steps fit in, measured on the first start (a loaded machine loads
+    slowly): the time spent before the kill counts against it, the schedule goes on from there, the
+    last step runs at the floor and the final checkpoint lands inside the budget."""
+    lr, floor = 1.0e-3, 0.1
+    train = {"time_budget": "10m", "max_steps": 10**9, "checkpoint_every": 5, "min_lr_ratio": floor}
+    train |= {"lr": lr, "warmup_ratio": 0.05, "warmup_steps": None}
+    cfg = cfg_file(tmp_path, tiny_target, tiny_data, name="run", **train)
+    out = tmp_path / "run"
+    proc = subprocess.Popen(  # step 8 never ends (tests/integration/hang_at_step.py): killed in it
+        [sys.executable, "-m", "tests.integration.hang_at_step", "train", "--config", str(cfg)],
+        env={**ENV, "DFLASH_TEST_HANG_AT_STEP": "8"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        assert wait_for(lambda: (out / "hanging-in-step").is_file()), "never reached step 8"
+        spent0 = json.loads((out / "budget.json").read_text())["spent_s"]
+        assert wait_for(lambda: json.loads((out / "budget.json").read_text())["spent_s"] > spent0 + 1)
+    finally:
+        proc.kill()  # SIGKILL: no handler runs
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    killed = json.loads((out / "budget.json").read_text())["spent_s"]
+    first = events_of(out, "step")
+    assert [c["step"] for c in events_of(out, "checkpoint")] == [5] and len(first) == 7
+    loading = events_of(out, "run_start")[0]["totals"]["budget_spent_s"]
+    step_s = max(s["step_s"] for s in first[1:])
+    budget = math.ceil(killed + 2 * loading + 12 * step_s + 1)
+    cfg = cfg_file(tmp_path, tiny_target, tiny_data, name="run", **(train | {"time_budget": f"{budget}s"}))
+
+    res = run_train(cfg)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    start, end = events_of(out, "run_start")[-1], events_of(out, "run_end")[-1]
+    assert start["resumed_from"] == "step-00000005"
+    assert start["totals"]["budget_spent_s"] > killed, "the time up to the kill counts, and this loading"
+    steps = events_of(out, "step")[len(first) :]
+    assert steps[0]["step"] == 6 and steps[0]["lr"] <= first[-1]["lr"], "the schedule goes on, never back"
+    lrs = [s["lr"] for s in steps]
+    assert lrs == sorted(lrs, reverse=True), "after warm-up the rate only falls"
+    assert lrs[-1] == pytest.approx(lr * floor, rel=1e-6), "the last step runs at the floor"
+    final = events_of(out, "checkpoint")[-1]
+    assert final["reason"] == "final" and final["step"] == steps[-1]["step"] == end["step"]
+    assert read_latest(out).name == final["name"]
+    assert end["status"] == "completed" and end["budget_spent_s"] <= budget, (budget, end)
+    assert end["budget_spent_s"] >= budget - 2 * steps[-1]["budget_margin_s"] - 2.0, "the budget is used"
