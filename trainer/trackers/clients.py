@@ -90,9 +90,13 @@ class WandbTracker(Tracker):
             config={k: run.get(k) for k in ("config", "layout", "totals")},
             settings=settings,
         )
+        # τ arrives after later steps (the evaluation runs beside the training) and W&B's own step only
+        # grows: every event is a row of its own, charted against the run's step (HF Trainer does the same)
+        self.run.define_metric("step")
+        self.run.define_metric("*", step_metric="step")
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        self.run.log(metrics, step=step)
+        self.run.log({**metrics, "step": step})
 
     def finish(self, status: str) -> None:
         self.run.finish(exit_code=0 if status in ("completed", "stopped") else 1)

@@ -1,0 +1,184 @@
+#!/usr/bin/env python3
+"""What `report_to` costs the training loop: trainer tokens/s with trackers following the run beside
+the same loop with none, measured side by side in one process (not a CI test).
+
+Variants, interleaved round by round on the same Trainer (so load from other processes hits all alike),
+each tracker set in its own process as `dflash train` runs them (trainer/trackers/sidecar.py):
+- none: no tracker;
+- raising: a tracker that raises on every call and is never dropped (trackers.max_failures 10**9), so
+  every step's event costs a caught exception (the default drops it after 3);
+- slow: a tracker that sleeps 50 ms per call (slower than a step: it falls behind, the file is its buffer);
+- real: the four real trackers (W&B offline, TensorBoard, trackio, MLflow's file store), when installed;
+- real-thread: the same four in threads of the trainer's own process (the design not taken: why the
+  sidecar).
+Every step writes its event (train.log_every 1), the most a run sends. Each round starts the trackers on
+a fresh out_dir and waits until they have started (their imports are not timed), then times the steps.
+
+Goal: each variant's tokens/s >= 0.95 x none's (issue #35: "within a few percent").
+Usage: .venv/bin/python bench/tracker_overhead.py [--steps 30] [--rounds 3] [--hidden 64]
+The target is the tests' tiny random Qwen3 built on the spot (the shortest step: the worst case for a
+tracker's share of a step; a GPU step on a real target is far longer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("WANDB_SILENT", "true")
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from trainer.trackers.clients import TRACKER_CLASSES, Tracker  # noqa: E402
+
+
+class Raising(Tracker):
+    name = "raising"
+
+    def start(self, run):
+        pass
+
+    def log(self, step, metrics):
+        raise RuntimeError("tracker down")
+
+    def finish(self, status):
+        raise RuntimeError("tracker down")
+
+
+class Slow(Tracker):
+    name = "slow"
+
+    def start(self, run):
+        pass
+
+    def log(self, step, metrics):
+        time.sleep(0.05)
+
+    def finish(self, status):
+        pass
+
+
+REAL = ["wandb", "tensorboard", "trackio", "mlflow"]
+STAND_INS = {"raising": "bench.tracker_overhead:Raising", "slow": "bench.tracker_overhead:Slow"}
+
+
+def start_variant(variant: str, events, cfg) -> tuple[object | None, int]:
+    """The variant's trackers following `events` (a sidecar process, or threads for real-thread), and
+    how many start lines to wait for in train.log."""
+    from trainer.trackers.follow import TrackerHub
+    from trainer.trackers.sidecar import TrackerProcess
+
+    if variant == "none":
+        return None, 0
+    if variant == "real-thread":
+        trackers = [
+            TRACKER_CLASSES[n](events.path.parent, "bench", events.run_id, {"mode": "offline"}) for n in REAL
+        ]
+        return TrackerHub(events, trackers, close_timeout_s=60, offset=0).start(), len(REAL)
+    names = REAL if variant == "real" else [STAND_INS[variant]]
+    spec = {
+        "out_dir": str(events.path.parent),
+        "run_id": events.run_id,
+        "offset": 0,
+        "trackers": names,
+        "project": "bench",
+        "options": {"wandb": {"mode": "offline"}},
+        "max_failures": 10**9 if variant == "raising" else 3,
+        "close_timeout_s": 60.0,
+    }
+    return TrackerProcess(spec, events).start(), len(names)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=30, help="timed steps per variant per round")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--hidden", type=int, default=64, help="the tiny target's hidden size")
+    args = ap.parse_args()
+
+    import numpy as np
+
+    from trainer.config import config_from_dict
+    from trainer.demo.synth import greedy_dataset, tiny_target
+    from trainer.events import EventWriter, load_events
+    from trainer.trackers import missing_packages
+    from trainer.training.distributed import setup_dist
+    from trainer.training.loop import Trainer
+
+    work = Path(tempfile.mkdtemp(prefix="dflash-tracker-bench-"))
+    target = tiny_target(work / "target", hidden=args.hidden)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 500, size=8).tolist() for _ in range(48)]
+    data = greedy_dataset(target, prompts, 56, work / "data")
+    cfg = config_from_dict(
+        {
+            "target": {"path": str(target)},
+            "data": {"path": str(data)},
+            "drafter": {"num_layers": 1, "block_size": 4, "aux_layer_ids": [1, 2], "mask_token_id": 511},
+            "train": {"max_steps": 10**6, "max_tokens_per_batch": 256, "max_anchors": 32, "log_every": 1},
+            "out_dir": str(work / "out"),
+        },
+        work,
+    )
+    tr = Trainer(cfg, setup_dist(cfg), EventWriter(work / "out", "bench", enabled=False))
+    tr.build()
+    for _ in range(3):  # warm-up (allocator, first-call paths)
+        tr.train_step()
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])  # the stand-ins
+    variants = ["none", "raising", "slow"]
+    if not missing_packages(REAL):
+        variants += ["real", "real-thread"]
+    else:
+        print("real: skipped (requirements/trackers.txt not installed)")
+    rates: dict[str, list[float]] = {v: [] for v in variants}
+    warnings: dict[str, int] = {v: 0 for v in variants}
+    for r in range(args.rounds):
+        for variant in variants:
+            out = work / f"{variant}-{r}"
+            events = EventWriter(out, f"{variant}{r}")  # the bench writes the loop's events itself
+            events.emit(
+                "run_start", config=cfg.to_dict(), layout={"bench": True}, totals={}, start_step=tr.step
+            )
+            handle, starts = start_variant(variant, events, cfg)
+            deadline = time.monotonic() + 180
+            while time.monotonic() < deadline and starts:
+                log = events.log_path.read_text() if events.log_path.is_file() else ""
+                if log.count(" started: ") + log.count(" dropped after ") >= starts:
+                    break
+                time.sleep(0.1)
+            tokens0, t0 = tr.tokens, time.perf_counter()
+            for _ in range(args.steps):
+                m = tr.train_step()
+                tr.step += 1
+                m.pop("problem", None)
+                m.pop("finite", None)
+                events.emit("step", step=tr.step, total_steps=10**6, tokens=tr.tokens, **m)
+            rates[variant].append((tr.tokens - tokens0) / (time.perf_counter() - t0))
+            events.emit("run_end", status="completed", step=tr.step)
+            if handle is not None:
+                handle.close()
+            warnings[variant] += sum(1 for e in load_events(events.path) if e["event"] == "warning")
+    base = statistics.median(rates["none"])
+    print(
+        f"tokens/s, median of {args.rounds} rounds x {args.steps} steps (hidden {args.hidden}, log_every 1):"
+    )
+    for variant in variants:
+        rate = statistics.median(rates[variant])
+        ratio = rate / base
+        verdict = "" if variant == "none" else ("  OK (>= 0.95)" if ratio >= 0.95 else "  MISSED (< 0.95)")
+        each = ", ".join(f"{x:.0f}" for x in rates[variant])
+        print(
+            f"  {variant:8s} {rate:8.0f} tok/s  ratio {ratio:.3f}{verdict}  "
+            f"[rounds: {each}] warning events: {warnings[variant]}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
