@@ -85,8 +85,10 @@ class Selection:
 # ---------------------------------------------------------------- what to take
 
 
-def best_by_tau(events: list[dict[str, Any]]) -> str | None:
-    """The checkpoint name of the eval event with the highest tau, if any eval named one."""
+def best_by_tau(events: list[dict[str, Any]], present: set[str] | None = None) -> str | None:
+    """The checkpoint name of the eval event with the highest tau (a run that evaluates while it
+    trains has one per checkpoint it evaluated: `eval.every_steps`); with `present`, the best among
+    the checkpoints still there (rotation removes older ones)."""
     best = None
     for ev in events:
         if ev.get("event") != "eval":
@@ -95,8 +97,11 @@ def best_by_tau(events: list[dict[str, Any]]) -> str | None:
         name = ev.get("checkpoint") or (
             ckpt.checkpoint_name(ev["step"]) if isinstance(ev.get("step"), int) else None
         )
+        name = Path(str(name)).name if name else None
+        if present is not None and name not in present:
+            continue
         if isinstance(tau, (int, float)) and name and (best is None or tau > best[0]):
-            best = (float(tau), Path(str(name)).name)
+            best = (float(tau), name)
     return best[1] if best else None
 
 
@@ -136,8 +141,8 @@ def select(
     sel = Selection()
     ck_root = ckpt.checkpoints_dir(run_dir)
 
-    def in_checkpoints(p: Path) -> bool:
-        return p == ck_root
+    def in_checkpoints(p: Path) -> bool:  # and an evaluation's links to a checkpoint's files
+        return p == ck_root or (p.name == "drafter" and p.parent.parent == run_dir / "evals")
 
     sel.add_tree(run_dir, "run", "run", skip=in_checkpoints)
     events = load_events(run_dir / "events.jsonl")
@@ -146,8 +151,8 @@ def select(
     )
     all_ckpts = ckpt.list_checkpoints(run_dir)
     chosen = {p.name: "one of the newest " + str(keep) for p in all_ckpts[-keep:]}
-    best = best_by_tau(events)
-    if best and best not in chosen and (ck_root / best).is_dir():
+    best = best_by_tau(events, {p.name for p in all_ckpts})
+    if best and best not in chosen:
         chosen[best] = "best by eval tau"
     for p in all_ckpts:
         problems = ckpt.verify_checkpoint(p)

@@ -34,6 +34,7 @@ class TrainState(Protocol):
     tokens: int
     resumed_from: str | None
     step_start: tuple[Any, Any]  # (sampler, RNG) as the current step found them (vLLM source)
+    saved_step: int | None  # set here: the step of the newest checkpoint written
     budget: Any  # trainer.training.budget.BudgetControl with train.time_budget, else None
 
     def emit(self, event: str, **fields) -> None: ...
@@ -160,4 +161,5 @@ def save(tr: TrainState, reason: str, at_step_start: bool = False) -> ckpt.Saved
         dist.barrier()
     if not in_sync:
         raise RuntimeError(f"ranks diverged: weight checksums {sums}")
+    tr.saved_step = tr.step
     return saved

@@ -12,6 +12,7 @@ STOP_TIMEOUT the stop exceeded its bound.
 from __future__ import annotations
 
 import os
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -37,6 +38,7 @@ from trainer.training.distributed import (
     max_over_ranks,
     setup_dist,
 )
+from trainer.training.evaluation import TrainingEval, eval_problem
 from trainer.training.health import RunHealth, features_finite, target_agreement
 from trainer.training.liveness import Heartbeats
 from trainer.training.metrics import StepResult, merge_batches, start_step_memory, step_metrics
@@ -56,6 +58,8 @@ class Trainer:
         self.budget = budget  # train.time_budget: the schedule and the stop follow its clock (budget.py)
         self.report = RunEvents(cfg, d, events)
         self.emit, self.log = self.report.emit, self.report.log  # rank 0's voice (no-ops elsewhere)
+        self.evaluation = TrainingEval(cfg, d.is_main, str(d.device), self.emit, self.log)  # eval: τ
+        self.saved_step: int | None = None  # the step of the newest checkpoint this run wrote
 
     # -------------------------------------------------------------- build
     def build(self) -> None:
@@ -311,6 +315,7 @@ class Trainer:
                 stop_now = self.stop_requested(stop)
                 if self.step % cfg.train.checkpoint_every == 0 or last or stop_now:
                     self.save("signal" if stop_now else ("final" if last else "periodic"))
+                self.evaluation.after_step(self.step, stop_now, self.saved_step, self.save)  # eval: τ
                 if stop_now:
                     status = "stopped"
                     break
@@ -329,6 +334,12 @@ class Trainer:
         finally:
             watchdog.stop()
             spent = budget.finish(self.step) if budget is not None else {}
+        self.evaluation.finish(  # the final checkpoint's τ, then every evaluation done or stopped
+            status == "completed" and self.saved_step == self.step,
+            self.step,
+            lambda running: any_rank(running, self.d),
+            stopped=lambda: stop.signum is not None,
+        )
         stop.cancel()
         report.run_end(status, self.step, self.tokens, stop.signum, **spent)
         self.mark_node(status)
@@ -339,6 +350,8 @@ class Trainer:
         optimizer (ZeRO holds the process group too) and the models."""
         import gc
 
+        if "evaluation" in self.__dict__:  # a run that failed: its evaluations stop
+            self.evaluation.close()
         source = self.__dict__.get("source")
         if hasattr(source, "close"):  # a vLLM source: its requests, and the server it started
             source.close()
@@ -383,6 +396,11 @@ def train(cfg: RunConfig, skip_preflight: bool = False) -> int:
                 error="preflight refused",
                 problems=[p.code for p in report.errors],
             )
+    problem = eval_problem(cfg) if d.is_main and verdict[0] else None
+    if problem is not None:  # a bad eval: section, before any model loads
+        print(f"dflash train: {problem}", file=sys.stderr, flush=True)
+        events.emit("run_end", status="refused", step=0, tokens=0, error=problem, problems=["eval"])
+        verdict[0] = False
     if d.enabled:
         dist.broadcast_object_list(verdict, src=0)
     if not verdict[0]:

@@ -1,0 +1,94 @@
+"""τ measured while training (`eval:` in the run config) on one short real `dflash train` run of the tiny
+target (CPU): an `eval` event with τ (chain and tree) at the cadence and after the final checkpoint, each
+equal to `dflash eval` of the same checkpoint on the same prompts; the final one before `run_end`; the
+checkpoint under evaluation survives rotation (keep_checkpoints 1); the monitor's state and salvage's
+best-by-τ read the events."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from tests.conftest import tiny_prompts
+from tests.integration.test_train import cfg_file, events_of, run_train
+from trainer.checkpoint import list_checkpoints
+from trainer.eval.prompts import write_prompt_file
+from trainer.events import load_events
+
+pytestmark = pytest.mark.slow
+
+EVAL = {"every_steps": 2, "max_new_tokens": 12, "tree_budget": 4}
+
+
+def dflash_here(capsys, *args) -> subprocess.CompletedProcess:
+    from trainer.cli import main
+
+    capsys.readouterr()
+    code = main([str(a) for a in args])
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, out.out, out.err)
+
+
+def test_tau_events_at_the_cadence_equal_dflash_eval_of_the_same_checkpoint(
+    tmp_path, tiny_target, tiny_data, capsys
+):
+    prompts = write_prompt_file(tmp_path / "p.jsonl", [{"input_ids": p} for p in tiny_prompts(3)])
+    cfg = cfg_file(tmp_path, tiny_target, tiny_data, max_steps=3, checkpoint_every=100, keep_checkpoints=1)
+    cfg.write_text(cfg.read_text() + "eval: " + json.dumps({**EVAL, "prompts": str(prompts)}) + "\n")
+    res = run_train(cfg)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    out = tmp_path / "run"
+
+    evals = events_of(out, "eval")
+    assert [e["step"] for e in evals] == [2, 3], "every 2 steps, and after the final checkpoint"
+    assert [e["checkpoint"] for e in evals] == ["step-00000002", "step-00000003"]
+    for e in evals:
+        assert e["tau"] >= 1 and set(e["tree_tau"]) == {"4"} and e["num_prompts"] == 3 and e["eval_s"] > 0
+    kinds = [e["event"] for e in load_events(out / "events.jsonl")]
+    last_eval = max(i for i, k in enumerate(kinds) if k == "eval")
+    assert kinds.index("run_end") > last_eval, "the final τ comes before run_end"
+    ckpts = events_of(out, "checkpoint")
+    assert [(c["step"], c["reason"]) for c in ckpts] == [(2, "eval"), (3, "final")]
+    assert [p.name for p in list_checkpoints(out)] == ["step-00000003"], "rotation went on (keep 1)"
+    assert not list((out / "evals").glob("*/drafter")), "the links to a checkpoint's files go when it is done"
+    assert not events_of(out, "warning"), events_of(out, "warning")
+
+    # `dflash eval` of the final checkpoint on the same prompts: the same τ, chain and tree
+    rep_path = tmp_path / "again" / "report.json"
+    again = dflash_here(
+        capsys,
+        "eval",
+        "--drafter",
+        out / "checkpoints" / "step-00000003",
+        "--target",
+        tiny_target,
+        "--prompts",
+        prompts,
+        "--max-new-tokens",
+        EVAL["max_new_tokens"],
+        "--tree-budget",
+        EVAL["tree_budget"],
+        "--check-lossless",
+        0,
+        "--out",
+        rep_path,
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    rep = json.loads(rep_path.read_text())
+    assert evals[-1]["tau"] == rep["tau"] and evals[-1]["tree_tau"] == {"4": rep["trees"][0]["tau"]}
+    assert evals[-1]["per_position_acceptance"] == rep["per_position_acceptance"]
+    # the in-training report of step 2 (its checkpoint rotated away mid-evaluation) is what the event says
+    rep2 = json.loads((out / "evals" / "step-00000002" / "report.json").read_text())
+    assert evals[0]["tau"] == rep2["tau"] and rep2["num_prompts"] == 3
+    assert evals[0]["report"] == str(out / "evals" / "step-00000002" / "report.json")
+
+    # the monitor's τ curve and salvage's best-by-τ read these events
+    from trainer.monitor.state import state_from_events
+    from trainer.salvage.select import best_by_tau
+
+    events = load_events(out / "events.jsonl")
+    st = state_from_events(events)
+    assert st.tau_curve() == [[e["step"], e["tau"]] for e in evals]
+    assert best_by_tau(events, {"step-00000003"}) == "step-00000003", "only a checkpoint still there"
