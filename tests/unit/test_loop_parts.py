@@ -100,3 +100,36 @@ def test_bf16_heads_give_bit_identical_logits_and_grads_under_autocast(make_conf
         out.append((logits, target, h.grad))
     for a, b in zip(out[0], out[1], strict=True):
         assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_eval_device_maps_the_setting_to_the_childs_device_and_its_visible_gpu(monkeypatch):
+    """eval.device: `trainer` is rank 0's own GPU as the node numbers it (through the trainer's
+    CUDA_VISIBLE_DEVICES), `cuda:N` the node's GPU N whatever the trainer sees, `cpu` hides every GPU."""
+    from trainer.training.evaluation import eval_device
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
+    assert eval_device("trainer", "cuda:0") == ("cuda", "4")
+    assert eval_device("trainer", "cuda:1") == ("cuda", "5")
+    assert eval_device("cuda:0", "cuda:0") == ("cuda", "0"), "a node GPU number, not the trainer's index"
+    assert eval_device("cuda:7", "cuda:0") == ("cuda", "7")
+    assert eval_device("trainer", "cpu") == ("cpu", "") and eval_device("cpu", "cuda:0") == ("cpu", "")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert eval_device("trainer", "cuda:2") == ("cuda", "2")
+
+
+def test_eval_section_is_checked_before_any_model_loads(make_config, tmp_path):
+    """`eval:` is off without prompts; a float cadence, a bad device or a prompt file that is not
+    there is refused (ConfigError at load, the missing file by `dflash train` before the models load)."""
+    from trainer.config import ConfigError
+    from trainer.training.evaluation import eval_problem
+
+    assert not load_config(make_config()).eval.enabled
+    for bad, key in (({"every_steps": 2.0}, "every_steps"), ({"device": "gpu1"}, "device")):
+        with pytest.raises(ConfigError, match=f"eval.{key}"):
+            load_config(make_config(eval={"prompts": "p.jsonl", **bad}))
+    cfg = load_config(make_config(eval={"prompts": "p.jsonl", "every_steps": 2}))
+    assert cfg.eval.prompts == str(tmp_path / "p.jsonl"), "relative to the config's folder"
+    assert "eval.prompts" in eval_problem(cfg) and "no such file" in eval_problem(cfg)
+    (tmp_path / "p.jsonl").write_text('{"prompt": "hi"}\n')
+    assert eval_problem(cfg) is None
+    assert eval_problem(load_config(make_config(eval={"prompts": "mt-bench"}))) is None, "a named set"

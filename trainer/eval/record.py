@@ -35,21 +35,26 @@ def record_in_run(checkpoint: Path, report: dict[str, Any], report_path: Path) -
         step = read_meta(checkpoint).get("step")
     except (OSError, ValueError):
         step = None
-    EventWriter(out_dir, run_id).emit(
-        "eval",
-        step=step,
-        checkpoint=checkpoint.name,
-        tau=report["tau"],
-        tau_vllm=(report.get("served") or {}).get("tau"),
-        tree_tau={str(t["budget"]): t["tau"] for t in report.get("trees") or []} or None,
-        rounds=report["rounds"],
-        block_size=report["block_size"],
-        per_position_acceptance=report["per_position_acceptance"],
-        tokens_per_s=report["tokens_per_s"],
-        num_prompts=report["num_prompts"],
-        prompts=report["prompts"],
-        mode=report["mode"],
-        lossless_ok=report["lossless"]["ok"],
-        report=str(report_path),
-    )
+    EventWriter(out_dir, run_id).emit("eval", **eval_event_fields(report, report_path, step, checkpoint.name))
     return stream
+
+
+def eval_event_fields(report: dict[str, Any], report_path: Path, step: int | None, checkpoint: str) -> dict:
+    """An `eval` event's fields from a `dflash eval` report of one checkpoint: what `record_in_run`
+    writes, and what a run that evaluates while it trains writes (trainer/training/evaluation.py)."""
+    return {
+        "step": step,
+        "checkpoint": checkpoint,
+        "tau": report["tau"],
+        "tau_vllm": (report.get("served") or {}).get("tau"),
+        "tree_tau": {str(t["budget"]): t["tau"] for t in report.get("trees") or []} or None,
+        "rounds": report["rounds"],
+        "block_size": report["block_size"],
+        "per_position_acceptance": report["per_position_acceptance"],
+        "tokens_per_s": report["tokens_per_s"],
+        "num_prompts": report["num_prompts"],
+        "prompts": report["prompts"],
+        "mode": report["mode"],
+        "lossless_ok": report["lossless"]["ok"],
+        "report": str(report_path),
+    }

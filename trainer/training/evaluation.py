@@ -8,11 +8,11 @@ into `out_dir/evals/<checkpoint>/drafter/` first, so rotation (`train.keep_check
 them away mid-evaluation; the report stays in `out_dir/evals/<checkpoint>/`, the links go when it is done.
 
 When the evaluation ends, the run writes an `eval` event with `tau` (the fields `dflash eval` records
-for a checkpoint, trainer/eval/record.py) through its own event stream, so the monitor, the trackers
-and salvage read it like any event. An evaluation that fails is a `warning` event (`eval_failed`), never
-the run's failure. A checkpoint due while one runs waits its turn (at most MAX_WAITING wait: past that
-the oldest waiting one is dropped, said in a warning, so a cadence faster than the evaluations cannot
-pile up work for the run's end).
+for a checkpoint: trainer.eval.record.eval_event_fields) through its own event stream, so the monitor,
+the trackers and salvage read it like any event. An evaluation that fails is a `warning` event
+(`eval_failed`), never the run's failure. A checkpoint due while one runs waits its turn (at most
+MAX_WAITING wait: past that the oldest waiting one is dropped, said in a warning, so a cadence faster
+than the evaluations cannot pile up work for the run's end).
 
 Light side: the component starts and polls a process; the loop hands it a collective (`any_rank`) for
 the final wait."""
@@ -30,6 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from trainer.eval.record import eval_event_fields
 
 EVALS_DIR = "evals"
 DRAFTER_FILES = ("config.json", "model.safetensors")  # a speculators folder: what `dflash eval` loads
@@ -49,16 +51,14 @@ class Job:
 def eval_device(setting: str, trainer_device: str) -> tuple[str, str]:
     """(`dflash eval --device`, CUDA_VISIBLE_DEVICES) for the `eval.device` setting: `trainer` is
     rank 0's own device (its GPU as the node numbers it, through the trainer's own
-    CUDA_VISIBLE_DEVICES), `cuda:N` the node's GPU N, `cpu` no GPU."""
-    if setting == "trainer":
-        setting = trainer_device if trainer_device.startswith("cuda") else "cpu"
-    if setting == "cpu":
+    CUDA_VISIBLE_DEVICES; the CPU when it trains there), `cuda:N` the node's GPU N, `cpu` no GPU."""
+    if setting == "cpu" or (setting == "trainer" and not trainer_device.startswith("cuda")):
         return "cpu", ""
-    index = int(setting.split(":", 1)[1]) if ":" in setting else 0
-    if setting == trainer_device or setting == "cuda":  # rank 0's device: an index among its visible GPUs
-        visible = [v for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    if setting == "trainer":  # an index among the GPUs the trainer sees
+        index = int(trainer_device.split(":", 1)[1]) if ":" in trainer_device else 0
+        visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
         return "cuda", visible[index] if index < len(visible) else str(index)
-    return "cuda", str(index)
+    return "cuda", setting.split(":", 1)[1]
 
 
 def eval_command(cfg, checkpoint: Path, report: Path, device: str) -> list[str]:
@@ -188,7 +188,12 @@ class TrainingEval:
             self.log(f"final evaluation waited for: {time.monotonic() - t0:.1f}s")
 
     def close(self) -> None:
-        """Stop a running evaluation (the run stops or fails); a waiting one never starts."""
+        """Stop a running evaluation (the run stops or fails); a waiting one never starts. One that
+        has just ended still becomes its event."""
+        job = self.running
+        if job is not None and job.proc is not None and job.proc.poll() is not None:
+            self.running = None
+            self.finished(job, job.proc.returncode)
         for job in [self.running, *self.waiting]:
             if job is not None:
                 self.skip(job, "the run ended first")
@@ -242,26 +247,6 @@ class TrainingEval:
     def warn(self, job: Job, message: str, kind: str = "eval_failed") -> None:
         self.emit("warning", kind=kind, step=job.step, checkpoint=job.name, message=message)
         self.log(f"WARNING {message}")
-
-
-def eval_event_fields(report: dict[str, Any], report_path: Path, step: int | None, checkpoint: str) -> dict:
-    """An `eval` event's fields from a `dflash eval` report of one checkpoint."""
-    return {
-        "step": step,
-        "checkpoint": checkpoint,
-        "tau": report["tau"],
-        "tau_vllm": (report.get("served") or {}).get("tau"),
-        "tree_tau": {str(t["budget"]): t["tau"] for t in report.get("trees") or []} or None,
-        "rounds": report["rounds"],
-        "block_size": report["block_size"],
-        "per_position_acceptance": report["per_position_acceptance"],
-        "tokens_per_s": report["tokens_per_s"],
-        "num_prompts": report["num_prompts"],
-        "prompts": report["prompts"],
-        "mode": report["mode"],
-        "lossless_ok": report["lossless"]["ok"],
-        "report": str(report_path),
-    }
 
 
 def eval_problem(cfg) -> str | None:
