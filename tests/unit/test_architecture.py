@@ -66,6 +66,7 @@ LIGHT = (
     "trainer.monitor.state",
     "trainer.monitor.status",
     "trainer.monitor.summary",
+    "trainer.training.budget",
     "trainer.s3.client",
     "trainer.s3.pull",
     "trainer.s3.push",
