@@ -73,8 +73,14 @@ class RunEvents:
             },
             pid=os.getpid(),
         )
+        steps = f"steps {tr.step + 1}..{total}"
+        if tr.budget is not None:  # the clock ends it (or max_steps, when sooner)
+            b = tr.budget.start_fields()
+            steps = f"steps from {tr.step + 1} within the time budget of {b['time_budget_s']:g}s "
+            steps += f"({b['budget_spent_s']:g}s spent)"
+            steps += "" if total == BUDGET_ONLY_STEPS else f" or to step {total}"
         self.log(
-            f"run start: steps {tr.step + 1}..{total}, world {d.world_size}, "
+            f"run start: {steps}, world {d.world_size}, "
             f"device {d.device} ({d.device_why}), "
             f"{tr.n_trainable / 1e6:.2f}M trainable drafter params, aux ids {cfg.drafter.aux_ids}, "
             f"{tr.sharding.description}, heads over {tr.drafter.draft_vocab_size} tokens "
