@@ -10,6 +10,7 @@ import struct
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.conftest import tiny_prompts
 from tests.integration.test_train import ENV, cfg_file, events_of, run_train
@@ -69,6 +70,20 @@ def test_every_step_and_eval_reaches_each_tracker_and_each_reads_it_back(
     tau = {e["step"]: e["tau"] for e in events_of(out, "eval")}
     assert sorted(tau) == [2, 3], "eval.every_steps 2, and after the final checkpoint"
     assert not [e for e in events_of(out, "warning") if e.get("kind") == "tracker_failed"]
+    assert_each_tracker_holds(out, run_id, loss, tau, monkeypatch)
+
+    # salvage takes the trackers' folders with the run
+    from trainer.salvage.select import select
+
+    taken = {item.rel for item in select(out, with_data=False).items}
+    for folder in ("tensorboard", "wandb", "mlruns", "trackio"):
+        assert any(rel.startswith(f"run/{folder}/") for rel in taken), folder
+
+
+def assert_each_tracker_holds(out: Path, run_id: str, loss: dict, tau: dict, monkeypatch) -> None:
+    """Each tracker's own reader finds `loss` and `tau` ({step: value}) and the config in a run folder
+    trained with report_to: REPORT_TO (a run that has `report_to` for other reasons can call this)."""
+    max_steps = yaml.safe_load((out / "run.yaml").read_text())["train"]["max_steps"]
 
     # TensorBoard: its EventAccumulator on out_dir/tensorboard/<run id>
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -77,8 +92,8 @@ def test_every_step_and_eval_reaches_each_tracker_and_each_reads_it_back(
     acc.Reload()
     assert {s.step: s.value for s in acc.Scalars("train/loss")} == pytest.approx(loss)
     assert {s.step: s.value for s in acc.Scalars("eval/tau")} == pytest.approx(tau)
-    (text,) = acc.Tensors("run/text_summary")  # the config, layout and totals as text
-    assert '"max_steps": 3' in text.tensor_proto.string_val[0].decode()
+    (text,) = acc.Tensors("run")  # the config, layout and totals as text
+    assert f'"max_steps": {max_steps}' in text.tensor_proto.string_val[0].decode()
 
     # W&B offline: the run file under out_dir/wandb, ready for `wandb sync`
     (run_file,) = (out / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb")
@@ -95,7 +110,7 @@ def test_every_step_and_eval_reaches_each_tracker_and_each_reads_it_back(
     exp = client.get_experiment_by_name("dflash")
     (mlrun,) = client.search_runs([exp.experiment_id], filter_string=f"tags.dflash_run_id = '{run_id}'")
     assert mlrun.info.status == "FINISHED"
-    assert mlrun.data.params["config.train.max_steps"] == "3"
+    assert mlrun.data.params["config.train.max_steps"] == str(max_steps)
     history = client.get_metric_history(mlrun.info.run_id, "train/loss")
     assert {m.step: m.value for m in history} == pytest.approx(loss)
     assert {m.step: m.value for m in client.get_metric_history(mlrun.info.run_id, "eval/tau")} == tau
@@ -107,10 +122,3 @@ def test_every_step_and_eval_reaches_each_tracker_and_each_reads_it_back(
     logs = trackio_store.SQLiteStorage.get_logs("dflash", run=run_id)
     assert {r["step"]: r["train/loss"] for r in logs if "train/loss" in r} == pytest.approx(loss)
     assert {r["step"]: r["eval/tau"] for r in logs if "eval/tau" in r} == pytest.approx(tau)
-
-    # salvage takes the trackers' folders with the run
-    from trainer.salvage.select import select
-
-    taken = {item.rel for item in select(out, with_data=False).items}
-    for folder in ("tensorboard", "wandb", "mlruns", "trackio"):
-        assert any(rel.startswith(f"run/{folder}/") for rel in taken), folder

@@ -11,6 +11,7 @@ run folder whole). The library is imported inside `start`, so this module is lig
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -103,8 +104,9 @@ class WandbTracker(Tracker):
 
 
 class TensorboardTracker(Tracker):
-    """TensorBoard event files in out_dir/tensorboard/<run id>/ (`tensorboard --logdir out_dir/tensorboard`);
-    the config, layout and totals as one text summary."""
+    """TensorBoard event files in out_dir/tensorboard/<run id>/ (`tensorboard --logdir out_dir/tensorboard`),
+    written with TensorBoard's own event writer (no torch, no TensorFlow); the config, layout and totals
+    as one text summary (`run`)."""
 
     name = "tensorboard"
 
@@ -114,15 +116,24 @@ class TensorboardTracker(Tracker):
     def start(self, run: dict[str, Any]) -> None:
         import json
 
-        from torch.utils.tensorboard import SummaryWriter
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.summary_pb2 import Summary
+        from tensorboard.plugins.text.summary_v2 import text_pb
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
-        self.writer = SummaryWriter(log_dir=self.where(), flush_secs=30)
+        self.Event, self.Summary = Event, Summary
+        self.writer = EventFileWriter(self.where(), flush_secs=30)
         text = json.dumps({k: run.get(k) for k in ("config", "layout", "totals")}, indent=1)
-        self.writer.add_text("run", "```\n" + text + "\n```", global_step=int(run.get("start_step") or 0))
+        summary = text_pb("run", "```\n" + text + "\n```")
+        self.writer.add_event(
+            Event(wall_time=time.time(), step=int(run.get("start_step") or 0), summary=summary)
+        )
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        for key, value in metrics.items():
-            self.writer.add_scalar(key, value, global_step=step)
+        values = [self.Summary.Value(tag=k, simple_value=v) for k, v in metrics.items()]
+        self.writer.add_event(
+            self.Event(wall_time=time.time(), step=step, summary=self.Summary(value=values))
+        )
 
     def finish(self, status: str) -> None:
         self.writer.close()
@@ -198,8 +209,6 @@ class MlflowTracker(Tracker):
             self.client.log_batch(self.mlrun_id, params=params[i : i + 100])
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        import time
-
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
