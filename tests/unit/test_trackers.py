@@ -13,7 +13,7 @@ from trainer.events import EventWriter, load_events
 from trainer.preflight.report import PreflightReport
 from trainer.preflight.trackers import trackers_gate
 from trainer.trackers import TrackerPackageMissing, start_trackers
-from trainer.trackers.clients import Tracker, redact_url, run_params
+from trainer.trackers.clients import Tracker, mlflow_key, redact_url, run_params
 from trainer.trackers.follow import TrackerHub, figures
 
 
@@ -170,6 +170,10 @@ def test_run_params_are_flat_and_a_tracking_uri_is_said_without_its_credentials(
     }
     assert redact_url("https://user:secret@mlflow.example:5000/x") == "https://***@mlflow.example:5000/x"
     assert redact_url("file:///runs/mlruns") == "file:///runs/mlruns"
+    assert (
+        mlflow_key("totals.data.len<16") == "totals.data.len_16"
+        and mlflow_key("eval/tree_tau/4") == "eval/tree_tau/4"
+    )
 
 
 class RaisingOnLog(Tracker):

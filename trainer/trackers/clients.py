@@ -11,6 +11,7 @@ run folder whole). The library is imported inside `start`, so this module is lig
 from __future__ import annotations
 
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -204,7 +205,8 @@ class MlflowTracker(Tracker):
         from mlflow.entities import Param
 
         # MLflow refuses to change a logged parameter: a resumed run adds only the new ones
-        params = [Param(k, str(v)[:6000]) for k, v in run_params(run).items() if k not in logged]
+        params = [Param(mlflow_key(k), str(v)[:6000]) for k, v in run_params(run).items()]
+        params = [p for p in params if p.key not in logged]
         for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
             self.client.log_batch(self.mlrun_id, params=params[i : i + 100])
 
@@ -212,12 +214,18 @@ class MlflowTracker(Tracker):
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        batch = [Metric(k, float(v), now, step) for k, v in metrics.items()]
+        batch = [Metric(mlflow_key(k), float(v), now, step) for k, v in metrics.items()]
         self.client.log_batch(self.mlrun_id, metrics=batch)
 
     def finish(self, status: str) -> None:
         state = {"completed": "FINISHED", "stopped": "KILLED"}.get(status, "FAILED")
         self.client.set_terminated(self.mlrun_id, status=state)
+
+
+def mlflow_key(key: str) -> str:
+    """A name MLflow takes (letters, digits, _ - . space /; a mapping's keys from an event may hold
+    others, and one refused name would fail the whole batch)."""
+    return re.sub(r"[^\w\-. /]", "_", key)
 
 
 TRACKER_CLASSES: dict[str, type[Tracker]] = {
