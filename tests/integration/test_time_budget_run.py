@@ -67,3 +67,23 @@ def test_a_budget_killed_and_restarted_ends_inside_it_at_the_floor(tmp_path, tin
     assert read_latest(out).name == final["name"]
     assert end["status"] == "completed" and end["budget_spent_s"] <= budget, (budget, end)
     assert end["budget_spent_s"] >= budget - 2 * steps[-1]["budget_margin_s"] - 2.0, "the budget is used"
+
+
+def test_two_ranks_on_different_clocks_stop_at_the_same_step(tmp_path):
+    """The stop decision is reduced over the ranks (gloo, torchrun): a rank whose steps are slower
+    never stops alone, both run the same last step at the floor."""
+    out = tmp_path / "ranks.json"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    res = subprocess.run(
+        [*torchrun, "-m", "tests.integration.budget_on_ranks", str(out)],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    (steps0, lrs0), (steps1, lrs1) = json.loads(out.read_text())
+    assert steps0 == steps1 and lrs0 == lrs1, "one decision: the same steps at the same rates"
+    assert lrs0[-1] == pytest.approx(1e-3), "the last step at the floor on both"
+    assert 1.5 * steps1 + 2 * (steps1 // 10) + 2 <= 60, "the slower rank's clock decided: inside its budget"
