@@ -243,3 +243,15 @@ def test_plan_turns_a_budget_into_tokens_and_epochs(tmp_path):
     with pytest.raises(SystemExit) as bad:
         build_parser().parse_args([*base, "--time-budget", "20"])
     assert bad.value.code == 2
+
+
+def test_dflash_summary_says_the_budget_spent(tmp_path):
+    from trainer.events import EventWriter
+    from trainer.monitor.summary import render_summary
+
+    events = EventWriter(tmp_path, "r1")
+    events.emit("run_start", totals={"total_steps": 10**9, "time_budget_s": 600.0, "budget_spent_s": 3.0})
+    events.emit("step", step=7, tokens=70, budget_s=600.0, budget_spent_s=42.5)
+    events.emit("run_end", status="completed", step=7, tokens=70, budget_s=600.0, budget_spent_s=599.0)
+    text = render_summary(tmp_path)
+    assert "progress step 7 in 599.0s of a 600.0s time budget  tokens 70  (1 start(s))" in text, text

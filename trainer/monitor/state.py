@@ -105,6 +105,7 @@ class RunState:
                 self._nonfinite(int(ev["step"]))
             del self.warnings[:-200]
         elif kind == "run_end":
+            self._on_budget(ev.get("budget_s"), ev.get("budget_spent_s"), t)  # after the final checkpoint
             self.end = {
                 k: ev.get(k)
                 for k in ("status", "step", "tokens", "time", "wall_s", "error", "signal", "last_checkpoint")
@@ -282,6 +283,8 @@ class RunState:
             "resumed_from": [s["resumed_from"] for s in self.starts if s.get("resumed_from")],
             "step": self.step,
             "total_steps": self.total_steps,
+            "budget_s": self.budget_s,  # train.time_budget, and the time spent of it
+            "budget_spent_s": self.budget_spent(),
             "tokens": self.tokens,
             "loss_first": loss_first,
             "loss_last": loss_last,

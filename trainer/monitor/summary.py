@@ -31,9 +31,12 @@ def render_summary(run_dir: Path) -> str:
         return "-" if v is None else (f"{v:.{p}f}" if isinstance(v, float) else str(v))
 
     pos = " ".join(f(a, 2) for a in (s["position_acc_last"] or []))
+    done = f"{s['step']}/{f(s['total_steps'])}"
+    if s.get("budget_s"):  # train.time_budget: the clock ends the run, not a step count
+        done = f"{s['step']} in {f(s['budget_spent_s'], 1)}s of a {f(s['budget_s'], 1)}s time budget"
     lines = [
         f"run      {s['run_dir']}  [{s['status']}]",
-        f"progress step {s['step']}/{f(s['total_steps'])}  tokens {s['tokens']:,}  ({s['starts']} start(s)"
+        f"progress step {done}  tokens {s['tokens']:,}  ({s['starts']} start(s)"
         + (f", resumed from {', '.join(s['resumed_from'])}" if s["resumed_from"] else "")
         + ")",
         f"loss     {f(s['loss_first'])} -> {f(s['loss_last'])}",
