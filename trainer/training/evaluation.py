@@ -241,7 +241,8 @@ class TrainingEval:
             except subprocess.TimeoutExpired:
                 job.proc.kill()
                 job.proc.wait()
-        shutil.rmtree(job.folder / "drafter", ignore_errors=True)
+        # one that never started leaves nothing; a stopped one its log
+        shutil.rmtree(job.folder if job.proc is None else job.folder / "drafter", ignore_errors=True)
         self.warn(job, f"evaluation of {job.name} skipped: {why}", "eval_skipped")
 
     def warn(self, job: Job, message: str, kind: str = "eval_failed") -> None:
