@@ -47,6 +47,8 @@ LIGHT = (
     "trainer.regenerate.chat_input",
     "trainer.eval.options",
     "trainer.eval.record",
+    "trainer.training.eval_config",
+    "trainer.training.evaluation",
     "trainer.eval.training_meta",
     "trainer.tokenizer_files",
     "trainer.layout.disk",
