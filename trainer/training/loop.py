@@ -2,7 +2,8 @@
 packed batch per rank per step. Readable top to bottom; parallelism (torchrun DDP, `distributed`;
 sharding, `sharding`), stopping (`shutdown`), RNG state and the lr schedule (`state`), step metrics
 (`metrics`), health (`health`), checkpoints (`checkpointing`), what the run tells the event stream
-(`run_events`) and the hidden-state source are separate components with small interfaces.
+(`run_events`), τ measured while training (`evaluation`), a time budget (`budget`) and the
+hidden-state source are separate components with small interfaces.
 
 Exit codes (`trainer.errors.ExitCode`): OK finished or stopped by a signal with a final checkpoint;
 REFUSED preflight refused; FAILED (non-finite loss beyond tolerance, ranks out of sync, ...);
