@@ -100,8 +100,9 @@ class RunEvents:
             m["nodes"] = nodes()
         self.emit("step", step=step, total_steps=total, tokens=tokens, **m)
         if step % max(1, every * 10) == 0 or last or step == 1:
+            of = "" if total == BUDGET_ONLY_STEPS else f"/{total}"  # a time budget alone: no step total
             self.log(
-                f"step {step}/{total} loss {m['loss']:.4f} eal {m['eal'] or 0:.3f} "
+                f"step {step}{of} loss {m['loss']:.4f} eal {m['eal'] or 0:.3f} "
                 f"lr {m['lr']:.2e} {m['tokens_per_s'] or 0:.0f} tok/s"
             )
 
