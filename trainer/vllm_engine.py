@@ -44,7 +44,8 @@ def build_engine(
     **extra: Any,
 ):
     """A `vllm.LLM` for `model`; `stats` keeps vLLM's counters (`llm.get_metrics()`), `extra` is
-    handed on (speculative_config, max_model_len)."""
+    handed on (speculative_config, max_model_len). `tensor_parallel_size`: the GPUs the target is
+    sharded over, chosen by trainer/layout/inference.py (`resolve_engine_tp`) and checked there."""
     kwargs: dict[str, Any] = {
         "model": str(model),
         "skip_tokenizer_init": True,

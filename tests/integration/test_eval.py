@@ -82,6 +82,27 @@ def test_harness_equals_reference_and_target_greedy(loaded, block, one_thread):
     assert accepted_any > 0, "the trained drafter never got a draft accepted: the comparison proves nothing"
 
 
+def test_a_target_loaded_with_a_device_map_gives_the_same_tokens(loaded, tiny_target, tmp_path, one_thread):
+    """The harness's load for a target larger than one GPU (`device_map` + `max_memory`, as
+    trainer/layout/inference.py gives them) run for real through accelerate's dispatch hooks: with no
+    GPU here, a CPU cap of a third of the target sends the rest to disk offload (layers brought in per
+    forward). The spread over several GPUs (features gathered from each GPU) is not exercised here."""
+    folder, drafter, target = loaded
+    size = sum(f.stat().st_size for f in tiny_target.glob("*.safetensors"))
+    kwargs = {
+        "device_map": "auto",
+        "max_memory": {"cpu": size // 3, "disk": "1GiB"},
+        "offload_folder": tmp_path,
+    }
+    spread = HookedTarget(tiny_target, aux_ids_of(folder), CPU, load_kwargs=kwargs)
+    assert {"cpu", "disk"} <= set(spread.model.hf_device_map.values())
+    for prompt in tiny_prompts(2):
+        want = speculate(target, drafter, prompt, 24, 4, STOP)
+        got = speculate(spread, drafter, prompt, 24, 4, STOP)
+        assert got.tokens == want.tokens and got.accepted == want.accepted
+    spread.close()
+
+
 def test_sliding_window_layers_get_the_training_mask(tiny_target, one_thread):
     """Cached block logits == speculators' training forward for a drafter with a sliding-window
     layer (window 3) and a full one, causal and non-causal; the mask matters past the window."""

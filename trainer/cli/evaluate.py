@@ -67,6 +67,8 @@ def cmd_eval(args) -> int:
             served_tolerance=args.served_tolerance,
             tree_budgets=tuple(args.tree_budget or ()),
             tree_top_k=args.tree_top_k,
+            tensor_parallel_size=args.tensor_parallel_size,
+            harness_gpus=args.harness_gpus,
         )
     )
 
@@ -206,6 +208,21 @@ def register(sub) -> None:
         metavar="K",
         help="--tree-budget: children per node among the next depth's top K (default: the budget)",
     )
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=positive,
+        default=None,
+        metavar="N",
+        help="--engine vllm|both: GPUs vLLM shards the target over (default: the plan's for the visible "
+        "GPUs, as `dflash plan` reports it)",
+    )
+    p.add_argument(
+        "--harness-gpus",
+        type=positive,
+        default=None,
+        metavar="N",
+        help="the harness's target spread over N GPUs by device_map (default: the plan's; 1: one GPU)",
+    )
     _template_args(p)
     p.set_defaults(func=cmd_eval)
 
@@ -295,7 +312,11 @@ def register(sub) -> None:
         help="vLLM backend: the engine's dtype (default: the model's)",
     )
     p.add_argument(
-        "--tensor-parallel-size", type=positive, default=1, help="vLLM backend: GPUs per engine (default 1)"
+        "--tensor-parallel-size",
+        type=positive,
+        default=None,
+        help="vLLM backend: GPUs the target is sharded over (default: the plan's for the visible GPUs, "
+        "as `dflash plan` reports it)",
     )
     p.add_argument(
         "--server-wait",

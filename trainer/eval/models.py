@@ -28,7 +28,19 @@ class ModelError(DflashError, ValueError):
 
 
 class HookedTarget:
-    def __init__(self, target_dir: Path, aux_ids: list[int], device: torch.device, dtype: str = "auto"):
+    """`load_kwargs`: more arguments for `from_pretrained`, e.g. `device_map="auto"` and `max_memory`
+    per GPU from trainer/layout/inference.py (`resolve_harness`) for a target larger than one GPU: its
+    layers spread over the GPUs, and what a forward returns (greedy tokens, aux features) is brought to
+    `device`, where the drafter runs."""
+
+    def __init__(
+        self,
+        target_dir: Path,
+        aux_ids: list[int],
+        device: torch.device,
+        dtype: str = "auto",
+        load_kwargs: dict | None = None,
+    ):
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
@@ -36,8 +48,10 @@ class HookedTarget:
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.model = AutoModelForCausalLM.from_pretrained(
-            str(target_dir), dtype=self.dtype, attn_implementation="sdpa"
-        ).to(self.device)
+            str(target_dir), dtype=self.dtype, attn_implementation="sdpa", **(load_kwargs or {})
+        )
+        if not (load_kwargs or {}).get("device_map"):
+            self.model.to(self.device)
         self.model.eval().requires_grad_(False)
         self.base = base_model(self.model)
         self.num_layers = len(self.base.layers)
@@ -66,9 +80,10 @@ class HookedTarget:
         if attention_mask is not None:
             extra = {"attention_mask": attention_mask, "position_ids": position_ids}
         out = self.model(input_ids=input_ids.to(self.device), past_key_values=cache, use_cache=True, **extra)
-        feats = torch.cat([self._store[k] for k in self.aux_ids], dim=-1).float()
+        # under a device_map each aux layer's output is on its layer's GPU: gathered where the drafter is
+        feats = torch.cat([self._store[k].to(self.device) for k in self.aux_ids], dim=-1).float()
         self._store.clear()
-        return out.logits[0].argmax(-1), feats, out.past_key_values
+        return out.logits[0].argmax(-1).to(self.device), feats, out.past_key_values
 
     def close(self) -> None:
         """Let the weights go: every hook on the model is removed (each closure refers back to this

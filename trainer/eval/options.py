@@ -30,6 +30,10 @@ class EvalOptions:
     served_tolerance: float = 0.1  # --engine both: the largest |tau_vLLM - tau_harness| that passes
     tree_budgets: tuple[int, ...] = ()  # tree verification (DDTree) at these node budgets, beside the chain
     tree_top_k: int | None = None  # children per tree node among the next depth's top-k (None: the budget)
+    tensor_parallel_size: int | None = (
+        None  # --engine vllm|both: GPUs vLLM shards the target over (None: planned)
+    )
+    harness_gpus: int | None = None  # the harness's target spread over this many GPUs (None: planned)
 
 
 def check_options(opts: EvalOptions) -> None:
@@ -50,5 +54,11 @@ def check_options(opts: EvalOptions) -> None:
         )
     if opts.block_size is not None and opts.block_size < 2:
         raise PromptError("--block-size must be at least 2 (an anchor and one draft)")
+    if opts.tensor_parallel_size is not None and opts.engine == "harness":
+        raise PromptError("--tensor-parallel-size is vLLM's: use it with --engine vllm or both")
+    if opts.harness_gpus is not None and opts.engine == "vllm":
+        raise PromptError("--harness-gpus is the harness's: use it with --engine harness or both")
+    if (opts.tensor_parallel_size or 1) < 1 or (opts.harness_gpus or 1) < 1:
+        raise PromptError("--tensor-parallel-size and --harness-gpus must be at least 1")
     if Path(opts.out).suffix != ".json":
         raise PromptError(f"--out {opts.out}: give a .json path (the .md and .png go beside it)")

@@ -50,7 +50,9 @@ class ReferenceTarget:
         x = torch.tensor([ids], dtype=torch.long, device=self.device)
         out = self.model(input_ids=x, use_cache=False, output_hidden_states=True)
         parts = [self._pre_norm if k == self.num_layers else out.hidden_states[k] for k in self.aux_ids]
-        return out.logits[0].argmax(-1).tolist(), torch.cat(parts, dim=-1).float()
+        return out.logits[0].argmax(-1).tolist(), torch.cat(
+            [x.to(self.device) for x in parts], dim=-1
+        ).float()
 
 
 @torch.no_grad()

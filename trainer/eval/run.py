@@ -22,6 +22,29 @@ from trainer.eval.served_report import attach_served, served_acceptance, served_
 __all__ = ["ENGINES", "EvalOptions", "run_eval"]
 
 
+def place_target(opts: EvalOptions, device) -> tuple[int, dict]:
+    """vLLM's tensor-parallel size and the harness's placement (trainer/layout/inference.py: the plan's
+    choice on the GPUs this process sees, or the flags'), said on stderr when more than one GPU."""
+    from trainer.layout.inference import resolve_engine_tp, resolve_harness
+
+    on_gpu = device.type == "cuda"
+    tp, placement = 1, {"load_kwargs": {}, "gpus": 0 if not on_gpu else 1, "reason": str(device)}
+    if opts.engine != "harness":
+        gpus = None if on_gpu else (0, 0.0)  # vLLM's CPU engine: no tensor parallelism here
+        tp, why = resolve_engine_tp(opts.target, opts.tensor_parallel_size, "--tensor-parallel-size", gpus)
+        if tp > 1:
+            print(f"dflash eval: vLLM shards the target over {tp} GPUs ({why})", file=sys.stderr)
+    if opts.engine != "vllm":
+        placement = resolve_harness(opts.target, opts.harness_gpus, device.type)
+        if placement["gpus"] > 1:
+            print(
+                f"dflash eval: the harness spreads the target over {placement['gpus']} GPUs "
+                f"(device_map auto: {placement['reason']})",
+                file=sys.stderr,
+            )
+    return tp, placement
+
+
 def run_eval(opts: EvalOptions) -> int:
     """Returns 0, or 1 when a lossless check failed (the report is written either way)."""
     from trainer.eval.models import (
@@ -46,8 +69,9 @@ def run_eval(opts: EvalOptions) -> int:
         from trainer.vllm_engine import import_vllm
 
         import_vllm(f"--engine {opts.engine}", ServedError)  # before any model loads
-    out.parent.mkdir(parents=True, exist_ok=True)
     device = resolve_device(opts.device)
+    tp, placement = place_target(opts, device)  # refuses a size the GPUs or the heads cannot take
+    out.parent.mkdir(parents=True, exist_ok=True)
     tok = P.load_tokenizer(opts.target)
     settings = P.resolve_settings(tok, opts.chat_template, opts.thinking)
     token_prompts = P.encode(lines, tok, settings)
@@ -62,12 +86,13 @@ def run_eval(opts: EvalOptions) -> int:
             aux = aux_ids_of(folder)
             if target is None or target.aux_ids != aux:
                 release(target, device)  # one target on the device at a time
-                target = HookedTarget(opts.target, aux, device)
+                target = HookedTarget(opts.target, aux, device, load_kwargs=placement["load_kwargs"])
             reports.append(
                 evaluate_one(
                     opts, folder, target, token_prompts, settings, stop_ids, device, label, prompt_set
                 )
             )
+            reports[-1]["harness_gpus"] = placement["gpus"]
     if opts.engine in ("vllm", "both"):
         release(target, device)  # the engine takes the memory the harness's target held
         for i, (folder, label) in enumerate(zip(folders, labels)):
@@ -80,6 +105,7 @@ def run_eval(opts: EvalOptions) -> int:
                 block,
                 stop_ids,
                 device=opts.device,
+                tensor_parallel_size=tp,
             )
             print(
                 f"{label}: tau {fmt_number(served['tau'])} served by {served['engine']} "

@@ -107,12 +107,14 @@ def serve_export(
     dtype: str = "auto",
     flag: str = "--engine vllm",
     source: Path | None = None,
+    tensor_parallel_size: int = 1,
 ) -> dict[str, Any]:
     """Serve an export (config.json + weights, `dflash export`'s format) in vLLM on `prompts` (greedy,
     up to `max_new_tokens`, `block_size` - 1 draft tokens per round) and return vLLM's counts: tau,
     per-position acceptance, the committed tokens per prompt, how vLLM read the drafter's config, the
     engine's version and wall times. `source`: the checkpoint it was made from (default: the one its
-    dflash_export.json names). A checkpoint is exported first by trainer/eval/served_report.py."""
+    dflash_export.json names); `tensor_parallel_size`: GPUs the target is sharded over. A checkpoint
+    is exported first by trainer/eval/served_report.py."""
     from trainer import vllm_engine
     from trainer.sources.hooked import resolve_dtype
 
@@ -129,6 +131,7 @@ def serve_export(
         target,
         cpu=cpu,
         dtype=dtype,
+        tensor_parallel_size=tensor_parallel_size,
         stats=True,
         max_model_len=longest + max_new_tokens + block_size + 8,
         speculative_config={
@@ -153,6 +156,7 @@ def serve_export(
         "engine": f"vllm {vllm.__version__}",
         "dtype": dtype,
         "device": "cpu" if cpu else "cuda",
+        "tensor_parallel_size": tensor_parallel_size,
         "tau": 1 + counts["accepted"] / drafts if drafts else None,
         "per_position_acceptance": [(a / drafts if drafts else None) for a in counts["accepted_per_pos"]],
         **counts,

@@ -40,15 +40,25 @@ def served_acceptance(
     *,
     device: str = "auto",
     dtype: str = "auto",
+    tensor_parallel_size: int = 1,
 ) -> dict[str, Any]:
     """Serve the drafter in vLLM on `prompts` (greedy, up to `max_new_tokens`, `block_size` - 1 draft
-    tokens per round) and return vLLM's counts: tau, per-position acceptance, the committed tokens per
-    prompt, how vLLM read the drafter's config, the engine's version and wall times."""
+    tokens per round, the target sharded over `tensor_parallel_size` GPUs) and return vLLM's counts:
+    tau, per-position acceptance, the committed tokens per prompt, how vLLM read the drafter's config,
+    the engine's version and wall times."""
     scratch = Path(tempfile.mkdtemp(prefix="dflash-served-"))
     try:
         model = exported(folder, target, scratch)
         return serve_export(
-            model, target, prompts, max_new_tokens, block_size, stop_ids, device=device, dtype=dtype
+            model,
+            target,
+            prompts,
+            max_new_tokens,
+            block_size,
+            stop_ids,
+            device=device,
+            dtype=dtype,
+            tensor_parallel_size=tensor_parallel_size,
         )
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

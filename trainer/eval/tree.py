@@ -115,12 +115,10 @@ def accept_path(nodes: list[TreeNode], greedy: list[int]) -> list[int]:
 def keep_cache_positions(cache, past: int, keep: list[int]) -> None:
     """Keep the first `past` positions of every layer of a transformers cache, then the positions
     `past + keep[i]` in that order (the accepted path of a tree forward); drop the rest."""
-    idx = None
-    for layer in cache.layers:
-        if idx is None:
-            idx = torch.tensor(
-                list(range(past)) + [past + j for j in keep], dtype=torch.long, device=layer.keys.device
-            )
+    idx = torch.tensor(list(range(past)) + [past + j for j in keep], dtype=torch.long)
+    for layer in cache.layers:  # under a device_map the layers' caches sit on several GPUs
+        if idx.device != layer.keys.device:
+            idx = idx.to(layer.keys.device)
         layer.keys = layer.keys.index_select(-2, idx)
         layer.values = layer.values.index_select(-2, idx)
 

@@ -9,8 +9,9 @@ each node's recon facts. Layouts: in process (trainer/layout/hooked.py), else, w
 auto or vllm, a vLLM split (trainer/layout/split.py); both weigh the run with trainer/layout/sizing.py,
 the memory model `dflash preflight` uses too. The disk a node needs (target, venv, checkpoints,
 hidden-state spool, regenerated data) comes from trainer/layout/disk.py, which preflight's disk gate
-checks too. A layout that does not fit is refused: the report, then
-the reason on stderr, exit 2. Light side: no torch.
+checks too; how `dflash eval` and `dflash regenerate --backend vllm` hold the target on the same GPUs
+(vLLM's tensor parallelism, the harness's device_map) from trainer/layout/inference.py. A layout that
+does not fit is refused: the report, then the reason on stderr, exit 2. Light side: no torch.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from trainer.errors import ExitCode
 from trainer.layout.disk import against_nodes, plan_disk
 from trainer.layout.hardware import node_count, node_gpus
 from trainer.layout.hooked import choose_layout
+from trainer.layout.inference import plan_inference
 from trainer.layout.inputs import plan_inputs
 from trainer.layout.recipe import (
     ASSUMPTIONS,
@@ -131,6 +133,7 @@ def make_plan(args) -> dict[str, Any]:
         "assumptions": ASSUMPTIONS,
     }
     plan["apply"] = apply_keys(plan)
+    plan["inference"] = plan_inference(target, spec["memory_gib"], count)  # dflash eval / regenerate
     arith = offline_arithmetic(
         target, r.n_aux, args.samples, args.mean_tokens, args.epochs, count * nodes, layout["gpus_per_copy"]
     )

@@ -38,6 +38,10 @@ ASSUMPTIONS = {
     # prefetched beyond that wait in vLLM's queue; a smaller cache costs throughput, not a crash)
     "vllm_kv_batches_per_rank": 1,
     "drafter_compute_share": 0.25,  # drafter forward+backward time relative to the target forward
+    # eval and regeneration (trainer/layout/inference.py): vLLM's offline engine and the harness
+    "offline_engine_gpu_memory_utilization": 0.92,  # vllm.LLM's default (vLLM 0.32), left as it is
+    "inference_sequences": 16,  # sequences the engine's KV cache holds at once (regenerate's --batch-size)
+    "inference_tokens_per_sequence": 4096,  # prompt + response, planned
 }
 
 AUTO_SHARD_ORDER = tuple(ASSUMPTIONS["shard_auto_order"])

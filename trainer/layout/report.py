@@ -135,6 +135,18 @@ def render_text(p: dict[str, Any]) -> str:
     ]
     if p["apply"]:
         lines.append("apply    " + ", ".join(f"{k} {v}" for k, v in flat_keys(p["apply"]).items()))
+    if p.get("inference"):
+        e, h = p["inference"]["engine"], p["inference"]["harness"]
+        lines.append(
+            "eval     vLLM (dflash eval --engine vllm, regenerate --backend vllm): "
+            + (f"--tensor-parallel-size {e['tensor_parallel_size']}" if e["fits"] else "DOES NOT FIT")
+            + f" ({e['reason']})"
+        )
+        lines.append(
+            "         harness (dflash eval): "
+            + (f"--harness-gpus {h['gpus']}" if h["fits"] else "DOES NOT FIT")
+            + f" ({h['reason']})"
+        )
     if p.get("disk"):
         lines.append(f"disk     ~{p['disk']['total_gb']} GB per node (rent at least this much):")
         lines += render_disk(p["disk"], indent="  ")

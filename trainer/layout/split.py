@@ -19,6 +19,13 @@ from trainer.layout.recipe import (
 )
 
 
+def tp_divides(t: TargetShape, tp: int) -> bool:
+    """Whether vLLM can shard the target `tp` ways: the attention heads split evenly
+    (vllm/config/model.py: "must be divisible by tensor parallel size") and the KV heads either split
+    evenly or are replicated a whole number of times (its QKVParallelLinear)."""
+    return tp >= 1 and t.heads % tp == 0 and (t.kv_heads % tp == 0 or tp % t.kv_heads == 0)
+
+
 def vllm_gpu_bytes(t: TargetShape, tp: int, tokens_in_flight: int, n_aux: int) -> dict[str, float]:
     """Bytes on one GPU of a vLLM server holding the target with tensor parallelism `tp`: its weight
     share, the KV cache of the prompts in flight (the prefetched batches of every trainer rank), the
@@ -51,7 +58,7 @@ def choose_disaggregated(t: TargetShape, memory_gib: float, count: int, r: Recip
         }
     share = a["drafter_compute_share"]
     for tp in a["vllm_tensor_parallel_sizes"]:
-        if tp > count - 1 or t.heads % tp or t.kv_heads % tp and tp % t.kv_heads:
+        if tp > count - 1 or not tp_divides(t, tp):
             continue
         best = None
         for replicas in range(1, (count - 1) // tp + 1):

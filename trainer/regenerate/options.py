@@ -22,7 +22,7 @@ class RegenOptions:
     device: str = "auto"
     ignore_eos: bool = False
     dtype: str = "auto"  # the vLLM backend's (auto: the model's; float32 for token-exact CPU checks)
-    tensor_parallel_size: int = 1  # the vLLM backend's
+    tensor_parallel_size: int | None = None  # the vLLM backend's (None: planned, trainer/layout/inference.py)
     servers: tuple[str, ...] = ()  # the server backend's URLs (OpenAI-compatible engines already running)
     concurrency: int = 16  # the server backend's requests in flight, per server
     request_timeout_s: float = 600.0  # the server backend's, per request
@@ -41,7 +41,7 @@ def check_options(opts: RegenOptions) -> None:
         raise RegenerateError("--max-new-tokens and --batch-size must be at least 1")
     if opts.backend not in BACKENDS:
         raise RegenerateError(f"--backend {opts.backend!r}: choose one of {', '.join(BACKENDS)}")
-    if opts.backend != "vllm" and (opts.tensor_parallel_size != 1 or opts.dtype != "auto"):
+    if opts.backend != "vllm" and (opts.tensor_parallel_size is not None or opts.dtype != "auto"):
         raise RegenerateError("--tensor-parallel-size and --dtype are settings of --backend vllm")
     if bool(opts.servers) != (opts.backend == "server"):
         raise RegenerateError(
@@ -59,7 +59,7 @@ def check_options(opts: RegenOptions) -> None:
         raise RegenerateError(
             "--concurrency must be >= 1, --request-timeout > 0, --retries and --server-wait >= 0"
         )
-    if opts.tensor_parallel_size < 1:
+    if (opts.tensor_parallel_size or 1) < 1:
         raise RegenerateError(f"--tensor-parallel-size {opts.tensor_parallel_size}: must be at least 1")
     if not 0.0 <= opts.max_empty_share <= 1.0:
         raise RegenerateError(f"--max-empty-share {opts.max_empty_share}: a share between 0 and 1")
@@ -77,3 +77,22 @@ def check_options(opts: RegenOptions) -> None:
         raise RegenerateError(
             f"--target {opts.target}: no config.json (a transformers model folder is needed)"
         )
+    if opts.backend == "vllm":
+        opts.tensor_parallel_size = engine_tensor_parallel(opts)
+
+
+def engine_tensor_parallel(opts: RegenOptions) -> int:
+    """The vLLM backend's tensor-parallel size: `--tensor-parallel-size`, checked against the GPUs and
+    the attention heads, or the plan's choice for the target on the GPUs this process sees
+    (trainer/layout/inference.py, what `dflash plan` reports); before any engine starts."""
+    from trainer.layout.inference import resolve_engine_tp
+    from trainer.layout.recipe import PlanError
+
+    gpus = (0, 0.0) if opts.device == "cpu" else None
+    try:
+        tp, why = resolve_engine_tp(opts.target, opts.tensor_parallel_size, "--tensor-parallel-size", gpus)
+    except PlanError as exc:
+        raise RegenerateError(str(exc)) from None
+    if tp > 1:
+        print(f"dflash regenerate: vLLM shards the target over {tp} GPUs ({why})", flush=True)
+    return tp
