@@ -1,8 +1,11 @@
-"""τ measured while training (`eval:` in the run config) on one short real `dflash train` run of the tiny
-target (CPU): an `eval` event with τ (chain and tree) at the cadence and after the final checkpoint, each
-equal to `dflash eval` of the same checkpoint on the same prompts; the final one before `run_end`; the
-checkpoint under evaluation survives rotation (keep_checkpoints 1); the monitor's state and salvage's
-best-by-τ read the events."""
+"""τ measured while training (`eval:` in the run config) and the trackers (`report_to`) on one short real
+`dflash train` run of the tiny target (CPU): an `eval` event with τ (chain and tree) at the cadence and
+after the final checkpoint, each equal to `dflash eval` of the same checkpoint on the same prompts; the
+final one before `run_end`; the checkpoint under evaluation survives rotation (keep_checkpoints 1); the
+monitor's state and salvage's best-by-τ read the events. The same run reports to the four real trackers
+(TensorBoard, W&B offline, trackio local, MLflow on a local file store): each library's own reader reads
+back every step's loss, each τ and the config, and salvage takes their folders with the run. Nothing
+here reaches the network."""
 
 from __future__ import annotations
 
@@ -12,7 +15,8 @@ import subprocess
 import pytest
 
 from tests.conftest import tiny_prompts
-from tests.integration.test_train import cfg_file, events_of, run_train
+from tests.integration.test_train import ENV, cfg_file, events_of, run_train
+from tests.integration.trackers_readback import REPORT_TO, assert_each_tracker_holds
 from trainer.checkpoint import list_checkpoints
 from trainer.eval.prompts import write_prompt_file
 from trainer.events import load_events
@@ -31,12 +35,15 @@ def dflash_here(capsys, *args) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(args, code, out.out, out.err)
 
 
-def test_tau_events_at_the_cadence_equal_dflash_eval_of_the_same_checkpoint(
-    tmp_path, tiny_target, tiny_data, capsys
+def test_tau_events_at_the_cadence_equal_dflash_eval_and_reach_every_tracker(
+    tmp_path, tiny_target, tiny_data, capsys, monkeypatch
 ):
     prompts = write_prompt_file(tmp_path / "p.jsonl", [{"input_ids": p} for p in tiny_prompts(3)])
     cfg = cfg_file(tmp_path, tiny_target, tiny_data, max_steps=3, checkpoint_every=100, keep_checkpoints=1)
-    cfg.write_text(cfg.read_text() + "eval: " + json.dumps({**EVAL, "prompts": str(prompts)}) + "\n")
+    extra = {"report_to": REPORT_TO, "eval": {**EVAL, "prompts": str(prompts)}}
+    cfg.write_text(cfg.read_text() + "".join(f"{k}: {json.dumps(v)}\n" for k, v in extra.items()))
+    for var in ("MLFLOW_TRACKING_URI", "TRACKIO_DIR", "TRACKIO_SPACE_ID", "WANDB_MODE"):
+        monkeypatch.delitem(ENV, var, raising=False)  # the trackers' defaults: stores inside out_dir
     res = run_train(cfg)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     out = tmp_path / "run"
@@ -92,3 +99,14 @@ def test_tau_events_at_the_cadence_equal_dflash_eval_of_the_same_checkpoint(
     st = state_from_events(events)
     assert st.tau_curve() == [[e["step"], e["tau"]] for e in evals]
     assert best_by_tau(events, {"step-00000003"}) == "step-00000003", "only a checkpoint still there"
+
+    # every tracker holds every step's loss, each τ and the config; salvage takes their folders
+    run_id = events_of(out, "run_start")[0]["run_id"]
+    loss = {e["step"]: e["loss"] for e in events_of(out, "step")}
+    assert sorted(loss) == [1, 2, 3]
+    assert_each_tracker_holds(out, run_id, loss, {e["step"]: e["tau"] for e in evals}, monkeypatch)
+    from trainer.salvage.select import select
+
+    taken = {item.rel for item in select(out, with_data=False).items}
+    for folder in ("tensorboard", "wandb", "mlruns", "trackio"):
+        assert any(rel.startswith(f"run/{folder}/") for rel in taken), folder
