@@ -29,6 +29,8 @@ LIGHT = (
     "trainer.cli.salvage",
     "trainer.cli.watch",
     "trainer.config",
+    "trainer.config_section",
+    "trainer.config_train",
     "trainer.errors",
     "trainer.events",
     "trainer.fsutil",
@@ -92,6 +94,8 @@ LIGHT = (
 BARE = (
     "trainer.cli",
     "trainer.config",
+    "trainer.config_section",
+    "trainer.config_train",
     "trainer.errors",
     "trainer.events",
     "trainer.manifest",

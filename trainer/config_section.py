@@ -1,0 +1,27 @@
+"""The base of every run-config section (light side: pydantic only): unknown keys are errors, and a
+float or a number past 2**53 where a whole number belongs is refused, not rounded."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
+
+MAX_WHOLE = 2**53  # any count a config holds: beyond it a float has already lost the number
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _whole_numbers(cls, v: Any, info: ValidationInfo) -> Any:
+        """A float where a whole number belongs (`max_steps: 1.0e+15`, `block_size: 16.0`) is refused,
+        not rounded, and so is a whole number past 2**53."""
+        field = cls.model_fields.get(info.field_name or "")
+        if field is not None and field.annotation in (int, int | None) and not isinstance(v, bool):
+            if isinstance(v, float):
+                raise ValueError("not a whole number (write it without . or e)")
+            if isinstance(v, int) and abs(v) > MAX_WHOLE:
+                raise ValueError("beyond any run (at most 2**53)")
+        return v
