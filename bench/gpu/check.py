@@ -266,6 +266,12 @@ def parse(argv: list[str] | None):
     ap.add_argument("--stages", default=None, help="comma-separated, in this order: " + ", ".join(STAGES))
     ap.add_argument("--steps", type=int, default=None, help="steps of the hooked stage (the others: fewer)")
     ap.add_argument(
+        "--optimizer",
+        choices=("adamw", "muon"),
+        default=None,
+        help="train.optimizer of every training stage (default: the run config's default)",
+    )
+    ap.add_argument(
         "--budget-s", type=float, default=None, help="no stage starts past this (quick 330, full 480)"
     )
     ap.add_argument(
@@ -296,6 +302,8 @@ def parse(argv: list[str] | None):
         mode = replace(mode, steps=args.steps, other_steps=min(mode.other_steps, args.steps))
     if args.budget_s:
         mode = replace(mode, budget_s=args.budget_s)
+    if args.optimizer:
+        mode = replace(mode, recipe={**mode.recipe, "optimizer": args.optimizer})
     return args, mode
 
 

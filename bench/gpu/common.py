@@ -189,6 +189,8 @@ class Ctx:
             },
             "out_dir": str(self.work / name),
         }
+        if "optimizer" in self.recipe:  # --optimizer: every training stage's
+            raw["train"]["optimizer"] = self.recipe["optimizer"]
         path = self.work / f"{name}.yaml"
         path.write_text(yaml.safe_dump(merged(raw, extra or {})))
         return path

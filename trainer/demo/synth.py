@@ -140,29 +140,69 @@ STDLIB_MODULES = (
 )
 
 
-def stdlib_docstrings(limit: int, seed: int = 0) -> list[str]:
-    """First paragraphs of public docstrings of Python's standard library: real text no one here
-    wrote, available offline. Deterministic order for a given seed."""
+# modules `wide` leaves out: they act on import (a browser, a printout, a GUI) or only wrap others
+STDLIB_SKIP = frozenset(
+    "antigravity this idlelib tkinter turtle turtledemo lib2to3 ensurepip venv pydoc_data msvcrt "
+    "winreg winsound nt".split()
+)
+TEMPLATES = {
+    "explain": "Explain what `{name}` does in Python and give a short example.\n\n{doc}",
+    "write": "Write a short Python function that does what this describes, then show one call of it."
+    "\n\n{doc}",
+}
+
+
+def stdlib_docstrings(
+    limit: int, seed: int = 0, wide: bool = False, templates: tuple[str, ...] = ("explain",)
+) -> list[str]:
+    """First paragraphs of public docstrings of Python's standard library as prompts: real text no one
+    here wrote, available offline. Deterministic order for a given seed.
+
+    `wide`: every importable public module of the standard library (~1,800 distinct paragraphs on
+    Python 3.11) instead of STDLIB_MODULES (~400), each object under the module that defines it, a
+    paragraph once. `templates`: the prompt forms (TEMPLATES), taken in turn along the shuffled order,
+    each docstring used once."""
     import importlib
     import inspect
+    import sys
+    import warnings
 
+    bad = [t for t in templates if t not in TEMPLATES]
+    if bad or not templates:
+        raise ValueError(f"templates {bad or templates}: use some of {', '.join(TEMPLATES)}")
+    names = STDLIB_MODULES
+    if wide:
+        names = tuple(
+            m for m in sorted(sys.stdlib_module_names) if not m.startswith("_") and m not in STDLIB_SKIP
+        )
     found: dict[str, str] = {}
-    for mod_name in STDLIB_MODULES:
-        mod = importlib.import_module(mod_name)
+    seen: set[str] = set()
+    for mod_name in names:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                mod = importlib.import_module(mod_name)
+        except Exception:  # a platform's module (winreg, ...) or one missing an optional library
+            if not wide:
+                raise
+            continue
         for name, obj in sorted(vars(mod).items()):
             if name.startswith("_") or not (
                 inspect.isfunction(obj) or inspect.isclass(obj) or inspect.isbuiltin(obj)
             ):
                 continue
+            if wide and not inspect.isbuiltin(obj) and getattr(obj, "__module__", mod_name) != mod_name:
+                continue  # a re-export: its own module has it
             doc = inspect.getdoc(obj) or ""
             para = doc.split("\n\n")[0].replace("\n", " ").strip()
-            if 40 <= len(para) <= 400:
+            if 40 <= len(para) <= 400 and not (wide and para in seen):
                 found.setdefault(f"{mod_name}.{name}", para)
+                seen.add(para)
     keys = sorted(found)
     order = np.random.default_rng(seed).permutation(len(keys))
     return [
-        f"Explain what `{keys[i]}` does in Python and give a short example.\n\n{found[keys[i]]}"
-        for i in order[:limit]
+        TEMPLATES[templates[j % len(templates)]].format(name=keys[i], doc=found[keys[i]])
+        for j, i in enumerate(order[:limit])
     ]
 
 
