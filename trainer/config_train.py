@@ -21,7 +21,12 @@ class TrainConfig(Section):
         "run's progress through it, the final checkpoint lands before it ends, restarts count the time "
         "spent; max_steps (unset: 10**9) ends the run if reached first (docs/train.md, time budget)",
     )
-    lr: float = Field(6.0e-4, gt=0, description="peak learning rate (SpecForge Qwen3.6-27B: 6e-4)")
+    lr: float = Field(
+        6.0e-4,
+        gt=0,
+        description="peak learning rate (SpecForge Qwen3.6-27B: 6e-4); Muon's too while muon_lr is null "
+        "(its update scaled to AdamW's RMS, speculators' match_rms_adamw)",
+    )
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="cosine floor as a fraction of lr")
     warmup_steps: int | None = Field(None, ge=0, description="default: warmup_ratio * max_steps")
     warmup_ratio: float = Field(
@@ -53,10 +58,11 @@ class TrainConfig(Section):
         "loss over N query rows at a time, recomputed in the backward (same loss; memory of N rows)",
     )
     position_weights: Literal["exp", "dpace"] = Field(
-        "exp",
-        description="per-position loss weights in a block: exp = exp(-(k-1)/gamma) (the DFlash paper); "
-        "dpace = D-PACE, each position weighted by the smoothed chance that the drafter's block is "
-        "still accepted there (speculators' dpace_loss_decay, dpace_alpha)",
+        "dpace",
+        description="per-position loss weights in a block: dpace = D-PACE, each position weighted by the "
+        "smoothed chance that the drafter's block is still accepted there (speculators' dpace_loss_decay, "
+        "dpace_alpha; their DFlash default); exp = exp(-(k-1)/gamma) (the DFlash paper). Default dpace: "
+        "tau 1.547 -> 1.709 on top of Muon in this project's ablation (docs/evaluate.md)",
     )
     gamma: float = Field(
         7.0, gt=0, description="per-position loss decay exp(-(k-1)/gamma) (position_weights exp)"
@@ -65,10 +71,11 @@ class TrainConfig(Section):
         0.5, gt=0, le=1, description="D-PACE confidence smoothing (position_weights dpace; speculators' 0.5)"
     )
     optimizer: Literal["adamw", "muon"] = Field(
-        "adamw",
-        description="adamw: AdamW on every trainable tensor; muon: torch's Muon on the 2-D weight "
-        "matrices (speculators' split: not embeddings or heads) and AdamW on the rest, one optimizer "
-        "state in the checkpoint, ZeRO-1 and FSDP2 alike",
+        "muon",
+        description="muon: torch's Muon on the 2-D weight matrices (speculators' split: not embeddings or "
+        "heads) and AdamW on the rest, one optimizer state in the checkpoint, ZeRO-1 and FSDP2 alike; "
+        "adamw: AdamW on every trainable tensor. Default muon: speculators' DFlash default, and tau "
+        "1.307 -> 1.547 at equal wall time in this project's ablation (docs/evaluate.md)",
     )
     muon_lr: float | None = Field(
         None, gt=0, description="Muon's peak learning rate (null: train.lr; the schedule scales both)"

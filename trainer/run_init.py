@@ -54,7 +54,15 @@ AUX_COUNT = 5  # target layers the drafter reads: z-lab's and SpecForge's DFlash
 LEVERS = {  # section -> keys written with the schema's default (the recipe: what `dflash plan` sizes)
     "data": ("max_length",),
     "drafter": ("num_layers", "block_size"),
-    "train": ("max_steps", "lr", "loss", "gamma", "max_anchors", "max_tokens_per_batch"),
+    "train": (
+        "max_steps",
+        "lr",
+        "loss",
+        "optimizer",
+        "position_weights",
+        "max_anchors",
+        "max_tokens_per_batch",
+    ),
 }
 SECTIONS = {"data": DataConfig, "drafter": DrafterConfig, "train": TrainConfig}
 CAUSAL = "ForCausalLM"

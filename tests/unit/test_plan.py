@@ -32,7 +32,8 @@ def test_qwen_27b_on_8_a100_40gb_needs_four_gpus_per_copy_at_default_anchors():
     # train.share_target_embedding), and speculators' forward materialises the full [512 x 16, 248320]
     # logits, targets and their gradient (11.4 GiB in bf16), all on the copy's first GPU: 2 per copy
     # needs ~48 GiB even with FSDP2, 4 per copy fits with FSDP2 (thin; ZeRO-1 is just over the budget).
-    p = plan("--gpu", "A100-40GB", "--gpu-count", 8)
+    seeds = ("--gpu", "A100-40GB", "--gpu-count", 8, "--optimizer", "adamw")  # the seeds' AdamW
+    p = plan(*seeds)
     assert (p["gpus_per_copy"], p["data_parallel"], p["shard"]) == (4, 2, "full") and p["fits"]
     tried = {(t["gpus_per_copy"], t["shard"]): t["per_gpu_gib"] for t in p["tried"]}
     assert tried[1, "optimizer"] > 60 and tried[2, "optimizer"] > 45 and tried[2, "full"] > 45
@@ -44,7 +45,7 @@ def test_qwen_27b_on_8_a100_40gb_needs_four_gpus_per_copy_at_default_anchors():
     assert b["drafter_frozen"] == pytest.approx((248320 * 5120 * 2 + 5120 * 4) / 2**30, abs=0.01)
     fit = {f["gpus_per_copy"]: f["anchors"] for f in p["fits_with_anchors"]}
     assert set(fit) == {2} and 0 < fit[2] < 512, "1 per copy fits at no anchors count"
-    q = plan("--gpu", "A100-40GB", "--gpu-count", 8, "--anchors", fit[2])  # the hint is a real layout
+    q = plan(*seeds, "--anchors", fit[2])  # the hint is a real layout
     assert (q["gpus_per_copy"], q["data_parallel"]) == (2, 4) and q["fits"]
     assert "fewer than 2 GPUs per copy" in q["reason"]
     assert q["target"]["params_source"].startswith("model.safetensors.index.json")
@@ -238,7 +239,7 @@ def test_too_big_for_the_node_is_refused_with_the_reason(tmp_path):
 
 
 SEEDS_RECIPE = ("--gpu", "A100-40GB", "--gpu-count", 8, "--draft-layers", 5, "--block-size", 16,
-                "--anchors", 512, "--tokens-per-batch", 4096)  # fmt: skip
+                "--anchors", 512, "--tokens-per-batch", 4096, "--optimizer", "adamw")  # fmt: skip
 
 
 def test_the_seeds_recipe_on_8_a100_40gb_fits_with_vllm_serving_the_target():
@@ -276,16 +277,18 @@ def test_a_draft_vocabulary_and_muon_shrink_the_plan_by_their_own_terms():
     heads of 32,768 rows in bf16 instead of one of 248,320), which lets a layout the whole vocabulary
     does not fit (1 GPU per copy on A100-40GB) fit; --optimizer muon keeps one fp32 momentum per
     weight-matrix element instead of AdamW's two moments; a size at or above the vocabulary is refused."""
-    full = plan("--gpu", "A100-40GB", "--gpu-count", 8)
-    small = plan("--gpu", "A100-40GB", "--gpu-count", 8, "--draft-vocab-size", 32768)
+    full = plan("--gpu", "A100-40GB", "--gpu-count", 8, "--optimizer", "adamw")
+    small = plan("--gpu", "A100-40GB", "--gpu-count", 8, "--optimizer", "adamw", "--draft-vocab-size", 32768)
     b, f = small["per_gpu_breakdown_gib"], full["per_gpu_breakdown_gib"]
     assert b["logits"] == pytest.approx(f["logits"] * 32768 / 248320, abs=0.01)
     assert b["drafter_frozen"] == pytest.approx((2 * 32768 * 5120 * 2 + 5120 * 4) / 2**30, abs=0.01)
     assert small["gpus_per_copy"] < full["gpus_per_copy"] and small["fits"]
     assert small["drafter"]["draft_vocab_size"] == 32768
-    one = plan("--gpu", "B200", "--gpu-count", 1)["per_gpu_breakdown_gib"]
+    one = plan("--gpu", "B200", "--gpu-count", 1, "--optimizer", "adamw")["per_gpu_breakdown_gib"]
     muon = plan("--gpu", "B200", "--gpu-count", 1, "--optimizer", "muon")["per_gpu_breakdown_gib"]
     assert muon["drafter_optimizer"] == pytest.approx(one["drafter_optimizer"] / 2, abs=0.02)
+    default = plan("--gpu", "B200", "--gpu-count", 1)["per_gpu_breakdown_gib"]
+    assert default == muon, "the flag's default is the run config's (Muon)"
     r = subprocess.run(
         [sys.executable, "-m", "trainer.cli", "plan", "--target-config", QWEN, "--gpu", "B200"]
         + ["--gpu-count", "1", "--draft-vocab-size", "248320"],
@@ -381,7 +384,7 @@ def test_plan_config_on_the_seeds_recipe_prints_the_layout_the_docs_print():
 
 # the seeds' run config in flags (tests/fixtures/runs/seeds-qwen36-27b.yaml)
 SEEDS_FLAGS = {"draft-layers": 5, "aux-layers": 5, "block-size": 16, "anchors": 512, "tokens-per-batch": 4096,
-               "loss-chunk-rows": 1024, "activation-checkpointing": True}  # fmt: skip
+               "loss-chunk-rows": 1024, "activation-checkpointing": True, "optimizer": "adamw"}  # fmt: skip
 # (run-config section, key, value) -> the flag that says the same
 KNOBS = [
     ("drafter", "num_layers", 2, {"draft-layers": 2}),

@@ -278,9 +278,27 @@ def test_the_memory_model_counts_the_draft_vocabulary_and_muons_state(make_confi
     )
     assert part["drafter_optimizer"] == held * 4, "fp32 state, every element counted once"
     full = per_device_bytes(
-        shapes, gpus_per_copy=1, data_parallel=1, tokens=64, anchors=4, block=4, device="cpu"
+        shapes,
+        gpus_per_copy=1,
+        data_parallel=1,
+        tokens=64,
+        anchors=4,
+        block=4,
+        device="cpu",
+        optimizer="adamw",
     )
     assert part["drafter_optimizer"] < full["drafter_optimizer"]
     assert (
         part["logits"] == 16 * 96 * ASSUMPTIONS["logit_bytes"]["eager"] * ASSUMPTIONS["logit_copies"]["eager"]
     )
+
+
+def test_the_run_configs_defaults_are_muon_and_dpace_and_the_plan_follows_them():
+    """speculators' DFlash default and this project's ablation (docs/train.md, the recipe): Muon + D-PACE;
+    the memory model's recipe takes its optimizer from the run config, not from a literal of its own."""
+    from trainer.config_train import TrainConfig
+    from trainer.layout.recipe import Recipe
+
+    train = TrainConfig()
+    assert (train.optimizer, train.position_weights) == ("muon", "dpace")
+    assert Recipe(draft_layers=1, n_aux=5, block=16, anchors=4, tokens=64).optimizer == train.optimizer

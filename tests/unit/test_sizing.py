@@ -24,7 +24,7 @@ S = Shapes(
     draft_layers=1,
     n_aux=5,
 )
-KNOBS = {"tokens": 8192, "anchors": 512, "block": 16}
+KNOBS = {"tokens": 8192, "anchors": 512, "block": 16, "optimizer": "adamw"}  # AdamW's two moments
 
 
 def parts(**kw):

@@ -9,7 +9,7 @@ Every assumption is a named constant, echoed in `dflash plan --json` under `assu
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -104,6 +104,14 @@ def read_target(config_path: Path, dtype: str = "bfloat16") -> TargetShape:
     )
 
 
+def train_default(key: str) -> Any:
+    """The run config's default of `train.<key>` (trainer/config_train.py, its one home; pydantic, no
+    torch, imported only when asked)."""
+    from trainer.config_train import TrainConfig
+
+    return TrainConfig.model_fields[key].get_default(call_default_factory=True)
+
+
 @dataclass(frozen=True)
 class Recipe:
     """The run's shape as the memory model needs it (the run config's keys, or `dflash plan`'s flags).
@@ -118,7 +126,7 @@ class Recipe:
     shard: str | None = None
     activation_checkpointing: bool = False
     draft_vocab: int | None = None  # drafter.draft_vocab_size
-    optimizer: str = "adamw"  # train.optimizer
+    optimizer: str = field(default_factory=lambda: train_default("optimizer"))  # train.optimizer
     draft_intermediate: int | None = None  # drafter.intermediate_size (None: the target's)
     share_embedding: bool = ASSUMPTIONS["share_target_embedding"]  # train.share_target_embedding
     activation_bytes: int | None = None  # 4 with train.precision float32 (None: bf16 autocast)

@@ -174,18 +174,19 @@ def per_device_bytes(
     anchors: int,
     block: int,
     device: str,
+    optimizer: str,
     shard: str = "optimizer",
     activation_bytes: int | None = None,
     loss_chunk_rows: int = 0,
     activation_checkpointing: bool = False,
     share_embedding: bool = True,
     target_in_process: bool = True,
-    optimizer: str = "adamw",
     dense_attention: bool | None = None,
 ) -> dict[str, float]:
     """Bytes on the first GPU of a target copy (or in host RAM for device="cpu"), by part.
 
-    `device` "cuda": bf16 autocast, fused loss; "cpu": fp32, eager loss. `activation_bytes` overrides
+    `device` "cuda": bf16 autocast, fused loss; "cpu": fp32, eager loss. `optimizer` (train.optimizer,
+    adamw or muon) has no default here: the run config's is its one home. `activation_bytes` overrides
     the activation width (train.precision float32 on CUDA = 4). `target_in_process` False
     (`target.source: vllm`): a trainer rank holds no target weights and runs no target forward, and
     the drafter keeps its own embedding (there is no target copy to share it with); the captured
