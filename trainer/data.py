@@ -152,6 +152,36 @@ def compute_stats(ds) -> DataStats:
     return DataStats(n, lengths, supervised, pairs > 0, mismatched)
 
 
+# ---------------------------------------------------------------- held-out samples (eval.holdout)
+
+
+def holdout_indices(usable: np.ndarray, n: int, seed: int) -> np.ndarray:
+    """`n` of the usable samples, sorted, chosen by `seed` alone: every rank and every restart of a run
+    holds out the same ones. More than the usable samples less one is refused (training needs one)."""
+    pool = np.flatnonzero(usable)
+    if n >= pool.size:
+        raise DataError(
+            f"eval.holdout {n}: the dataset has {pool.size} usable samples (training needs at least one)",
+            "data.holdout_too_large",
+            "hold out fewer samples, or evaluate on a prompt file (eval.prompts)",
+        )
+    rng = np.random.default_rng([seed, 0x401D])
+    return np.sort(rng.choice(pool, size=n, replace=False))
+
+
+def holdout_prompts(ds, indices: np.ndarray) -> list[dict[str, list[int]]]:
+    """Prompt-file rows ({"input_ids": ...}) of the held-out samples: each one's tokens before its first
+    supervised token (the chat template's prompt as regeneration wrote it)."""
+    ids, off = _flat(ds, "input_ids")
+    mask, _ = _flat(ds, "loss_mask")
+    rows = []
+    for i in indices:
+        lo, hi = int(off[i]), int(off[i + 1])
+        first = int(np.flatnonzero(mask[lo:hi])[0])  # usable samples have a supervised token
+        rows.append({"input_ids": [int(t) for t in ids[lo : lo + max(first, 1)]]})
+    return rows
+
+
 # ---------------------------------------------------------------- packing (heavy side uses it)
 
 

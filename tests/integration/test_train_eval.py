@@ -1,6 +1,7 @@
 """τ measured while training (`eval:` in the run config) and the trackers (`report_to`) on one short real
 `dflash train` run of the tiny target (CPU): an `eval` event with τ (chain and tree) at the cadence and
-after the final checkpoint, each equal to `dflash eval` of the same checkpoint on the same prompts; the
+after the final checkpoint, on prompts the run held out of its own data (`eval.holdout`: the sampler
+never packs them), each equal to `dflash eval` of the same checkpoint on the same prompts; the
 final one before `run_end`; the checkpoint under evaluation survives rotation (keep_checkpoints 1); the
 monitor's state and salvage's best-by-τ read the events. The same run reports to the four real trackers
 (TensorBoard, W&B offline, trackio local, MLflow on a local file store): each library's own reader reads
@@ -14,11 +15,9 @@ import subprocess
 
 import pytest
 
-from tests.conftest import tiny_prompts
 from tests.integration.test_train import ENV, cfg_file, events_of, run_train
 from tests.integration.trackers_readback import REPORT_TO, assert_each_tracker_holds
 from trainer.checkpoint import list_checkpoints
-from trainer.eval.prompts import write_prompt_file
 from trainer.events import load_events
 
 pytestmark = pytest.mark.slow
@@ -38,15 +37,18 @@ def dflash_here(capsys, *args) -> subprocess.CompletedProcess:
 def test_tau_events_at_the_cadence_equal_dflash_eval_and_reach_every_tracker(
     tmp_path, tiny_target, tiny_data, capsys, monkeypatch
 ):
-    prompts = write_prompt_file(tmp_path / "p.jsonl", [{"input_ids": p} for p in tiny_prompts(3)])
     cfg = cfg_file(tmp_path, tiny_target, tiny_data, max_steps=3, checkpoint_every=100, keep_checkpoints=1)
-    extra = {"report_to": REPORT_TO, "eval": {**EVAL, "prompts": str(prompts)}}
+    extra = {"report_to": REPORT_TO, "eval": {**EVAL, "holdout": 3}}
     cfg.write_text(cfg.read_text() + "".join(f"{k}: {json.dumps(v)}\n" for k, v in extra.items()))
     for var in ("MLFLOW_TRACKING_URI", "TRACKIO_DIR", "TRACKIO_SPACE_ID", "WANDB_MODE"):
         monkeypatch.delitem(ENV, var, raising=False)  # the trackers' defaults: stores inside out_dir
     res = run_train(cfg)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     out = tmp_path / "run"
+    prompts = out / "eval" / "holdout.jsonl"  # the held-out samples' prompts (tests/unit/test_eval_holdout)
+    assert len(prompts.read_text().splitlines()) == 3
+    data = events_of(out, "run_start")[0]["totals"]["data"]
+    assert data["held_out_samples"] == 3 and data["usable_samples"] <= data["samples"] - 3
 
     evals = events_of(out, "eval")
     assert [e["step"] for e in evals] == [2, 3], "every 2 steps, and after the final checkpoint"

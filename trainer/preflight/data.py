@@ -137,6 +137,14 @@ def _drop_checks(cfg: RunConfig, stats: DataStats, report: PreflightReport) -> N
                 f"preflight.max_bad_fraction ({pct(limit)})",
                 fix if code != "too_long" else f"{fix} (longest sample: {d['max_length_seen']} tokens)",
             )
+    held = cfg.eval.holdout or 0
+    if held and held >= d["usable"]:  # the loop's holdout_indices refuses the same
+        report.error(
+            "data.holdout_too_large",
+            f"eval.holdout {held}: the dataset has {d['usable']} usable samples (training needs at "
+            "least one)",
+            "hold out fewer samples, or evaluate on a prompt file (eval.prompts)",
+        )
     if d["truncated_to_batch"]:
         report.warn(
             "data.truncated_samples",

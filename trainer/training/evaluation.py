@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.eval.record import eval_event_fields
+from trainer.training.eval_config import holdout_file
 
 EVALS_DIR = "evals"
 DRAFTER_FILES = ("config.json", "model.safetensors")  # a speculators folder: what `dflash eval` loads
@@ -65,7 +66,8 @@ def eval_command(cfg, checkpoint: Path, report: Path, device: str) -> list[str]:
     """The `dflash eval` command line of one evaluation (the harness: chain τ, a tree at the budget)."""
     e = cfg.eval
     cmd = [sys.executable, "-m", "trainer.cli", "eval", "--drafter", str(checkpoint)]
-    cmd += ["--target", str(cfg.target.path), "--prompts", str(e.prompts), "--out", str(report)]
+    cmd += ["--target", str(cfg.target.path), "--prompts", e.prompt_source(cfg.out_dir)]
+    cmd += ["--out", str(report)]
     cmd += ["--max-new-tokens", str(e.max_new_tokens), "--device", device]
     cmd += ["--check-lossless", "all" if e.check_lossless < 0 else str(e.check_lossless)]
     if e.limit:
@@ -93,8 +95,8 @@ def _die_with_parent() -> None:  # the child's pre-exec: SIGTERM when the traine
 
 class TrainingEval:
     """The loop's interface: `after_step` on every rank after each step, `finish` on every rank at
-    the end, `close` on the way out (a failed run). No-ops without `eval.prompts`; the evaluations
-    themselves are rank 0's."""
+    the end, `close` on the way out (a failed run). No-ops without `eval.prompts` or `eval.holdout`;
+    the evaluations themselves are rank 0's."""
 
     def __init__(
         self, cfg, is_main: bool, trainer_device: str, emit: Callable[..., Any], log: Callable[[str], None]
@@ -255,10 +257,28 @@ def eval_problem(cfg) -> str | None:
     from trainer.eval.prompts import is_prompt_set
 
     e = cfg.eval
-    if not e.enabled or is_prompt_set(e.prompts):
-        return None
+    if not e.enabled or e.prompts is None or is_prompt_set(e.prompts):
+        return None  # holdout's file is written by the run
     if not Path(e.prompts).is_file():
         return (
             f"eval.prompts {e.prompts}: no such file (a prompt file as dflash eval reads it, or a named set)"
         )
     return None
+
+
+def hold_out(cfg, ds, usable, is_main: bool):
+    """eval.holdout: clears the held-out samples from `usable` (in place) and, on the main process,
+    writes their prompts where the evaluations read them (the same file on every restart: the same
+    seed, the same samples). The held-out indices (none without it)."""
+    import numpy as np
+
+    from trainer.data import holdout_indices, holdout_prompts
+    from trainer.eval.prompts import write_prompt_file
+
+    if not cfg.eval.holdout:
+        return np.zeros(0, dtype=np.int64)
+    held = holdout_indices(usable, cfg.eval.holdout, cfg.train.seed)
+    usable[held] = False
+    if is_main:
+        write_prompt_file(holdout_file(cfg.out_dir), holdout_prompts(ds, held))
+    return held

@@ -39,7 +39,7 @@ from trainer.training.distributed import (
     max_over_ranks,
     setup_dist,
 )
-from trainer.training.evaluation import TrainingEval, eval_problem
+from trainer.training.evaluation import TrainingEval, eval_problem, hold_out
 from trainer.training.health import RunHealth, features_finite, target_agreement
 from trainer.training.liveness import Heartbeats
 from trainer.training.metrics import StepResult, merge_batches, start_step_memory, step_metrics
@@ -92,8 +92,10 @@ class Trainer:
         ds = open_dataset(cfg.data.path)
         stats = compute_stats(ds)
         usable = stats.usable(cfg.data.max_length)
+        held = hold_out(cfg, ds, usable, d.is_main)  # eval.holdout: samples the sampler never sees
         self.data_totals = {
             "samples": int(stats.num_samples),
+            "held_out_samples": int(held.size),
             "usable_samples": int(usable.sum()),
             "supervised_tokens": int(stats.supervised[usable].sum()),
             "tokens": int(stats.lengths[usable].sum()),
