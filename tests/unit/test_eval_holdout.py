@@ -70,3 +70,11 @@ def test_holdout_refusals_and_where_eval_reads_its_prompts(tmp_path):
     cfg.eval = EvalConfig(prompts="humaneval")
     cmd = eval_command(cfg, tmp_path / "ck", tmp_path / "r.json", "cpu")
     assert cmd[cmd.index("--prompts") + 1] == "humaneval"
+
+
+def test_preflight_refuses_a_holdout_that_leaves_nothing_to_train_on(make_config):
+    from tests.unit.test_preflight import assert_problem, preflight
+
+    report = preflight(make_config, eval={"holdout": 48})  # tiny_data: 48 usable samples
+    assert_problem(report, "data.holdout_too_large", "eval.holdout 48", "48 usable samples", "eval.prompts")
+    assert "data.holdout_too_large" not in preflight(make_config, eval={"holdout": 47}).codes()
