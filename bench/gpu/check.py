@@ -272,7 +272,7 @@ def parse(argv: list[str] | None):
         help="train.optimizer of every training stage (default: the run config's default)",
     )
     ap.add_argument(
-        "--budget-s", type=float, default=None, help="no stage starts past this (quick 420, full 480)"
+        "--budget-s", type=float, default=None, help="no stage starts past this (quick 390, full 480)"
     )
     ap.add_argument(
         "--no-zygote",
