@@ -229,9 +229,9 @@ def test_collect_records_symlinks_and_never_follows_them(tmp_path, finished_run)
 
 
 def test_a_full_disk_during_collect_is_a_clear_refusal(tmp_path, finished_run):  # noqa: F811
-    """A 1 MiB tmpfs as the set's disk (real ENOSPC). Before: a traceback (exit 1, which a supervisor
+    """A 512 KiB tmpfs as the set's disk (real ENOSPC). Before: a traceback (exit 1, which a supervisor
     restarts) and a `.salvage-tmp` file left in the set."""
-    with real_tmpfs(tmp_path / "small", "1m") as mnt:
+    with real_tmpfs(tmp_path / "small", "512k") as mnt:
         res = dflash("collect", "--run-dir", finished_run, "--out", mnt / "set", "--copy", check_rc=2)
         assert "disk is full" in res.stderr and "No space left on device" in res.stderr, res.stderr
         assert "Traceback" not in res.stderr + res.stdout
