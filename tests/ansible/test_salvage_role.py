@@ -76,15 +76,18 @@ def test_salvage_playbook_on_a_real_host(bed, provisioned, runner, rgw, tiny_tar
     host.ssh(
         bed,
         f"cd {host.root}; PYTHONPATH={host.root}/fakepkgs setsid nohup /usr/bin/python3 -m "
-        "sglang.launch_server --model-path /models/none > sglang.out 2>&1 < /dev/null &",
+        f"sglang.launch_server --model-path {host.root}/models/none > sglang.out 2>&1 < /dev/null &",
     )
     end = time.monotonic() + 240
     while time.monotonic() < end and len(_events(out, "checkpoint")) < 2:
         time.sleep(0.2)
     assert len(_events(out, "checkpoint")) >= 2, (host.root / "train.out").read_text()[-3000:]
     trainer_pid = _events(out, "run_start")[-1]["pid"]
+    # this host's stand-in only: the test hosts share the machine's pids, and test_salvage.py's stand-in
+    # (--model-path /models/none) may run beside it in another lane; a pgrep that found that one once
+    # made this test fail and its closing `kill` SIGTERMed the other test's server. [s]: not the shell
     sglang_pid = int(
-        host.ssh(bed, "pgrep -f 'sglang.launch_server --model-path /models/none' | head -1").stdout
+        host.ssh(bed, f"pgrep -f '[s]glang.launch_server --model-path {host.root}/models/none'").stdout
     )
 
     fetch = tmp_path / "fetched"
