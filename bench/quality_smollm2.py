@@ -93,6 +93,11 @@ def main() -> int:
         "--position-weights", choices=("exp", "dpace"), default="dpace", help="train.position_weights"
     )
     ap.add_argument("--gamma", type=float, default=7.0, help="train.gamma (exp position weights)")
+    ap.add_argument(
+        "--loss",
+        default="ce",
+        help="train.loss: ce (the target's greedy token), kl_div (its whole distribution) or a JSON mix",
+    )
     ap.add_argument("--max-anchors", type=int, default=80, help="train.max_anchors per packed batch")
     ap.add_argument(
         "--regenerate-only",
@@ -210,6 +215,7 @@ def main() -> int:
         "gamma": args.gamma,
         "position_weights": args.position_weights,
         "optimizer": args.optimizer,
+        "loss": args.loss,
         "max_anchors": args.max_anchors,
         "max_tokens_per_batch": args.tokens_per_step,
         "checkpoint_every": every,
@@ -306,6 +312,7 @@ def main() -> int:
             "draft_vocab_size": args.draft_vocab_size,
             "optimizer": args.optimizer,
             "position_weights": args.position_weights,
+            "loss": args.loss,
             "max_anchors": args.max_anchors,
             "lr": args.lr,
             "muon_lr": args.muon_lr,
@@ -367,10 +374,11 @@ def ablation_table(rows_file: Path) -> str:
         r = json.loads(line)
         rows[r["tag"]] = r
     out = [
-        "| tag | draft vocab | optimizer | position weights | anchors | lr | schedule | tau docstrings "
+        "| tag | draft vocab | layers | loss | optimizer | position weights | anchors | lr | schedule "
+        "| tau docstrings "
         "| tau HumanEval | tau vLLM (doc. / HE) | slot-1 acc. | regen. min | train min | steps | tokens "
         "| eal (last 20) | wall min |",
-        "|" + " --- |" * 17,
+        "|" + " --- |" * 19,
     ]
 
     def num(v: float | None) -> str:
@@ -385,7 +393,8 @@ def ablation_table(rows_file: Path) -> str:
         eal = r["train_eal_last20_mean"]
         lr = f"{c['lr']:g}" + (f" / muon {c['muon_lr']:g}" if c.get("muon_lr") else "")
         out.append(
-            f"| {r['tag']} | {c['draft_vocab_size'] or 'full'} | {c['optimizer']} | {c['position_weights']} "
+            f"| {r['tag']} | {c['draft_vocab_size'] or 'full'} | {c.get('layers', 2)} "
+            f"| {c.get('loss', 'ce')} | {c['optimizer']} | {c['position_weights']} "
             f"| {c['max_anchors']} | {lr} | {c.get('schedule', 'steps')} | {num(tau.get('docstrings'))} "
             f"| {num(tau.get('humaneval'))} | {vllm} "
             f"| {acc[0] if acc else 0:.2f} | {r['regenerate_minutes']} | {r['minutes']['train']} "
