@@ -13,7 +13,15 @@ from typing import Any
 import numpy as np
 
 from trainer.config import RunConfig
-from trainer.data import REGENERATE_FIX, DataError, DataStats, compute_stats, flat_values, open_dataset
+from trainer.data import (
+    REGENERATE_FIX,
+    DataError,
+    DataStats,
+    compute_stats,
+    flat_values,
+    holdout_indices,
+    open_dataset,
+)
 from trainer.preflight.drafter import MASK_FIX
 from trainer.preflight.report import PreflightReport, pct
 from trainer.target import TargetInfo
@@ -137,14 +145,11 @@ def _drop_checks(cfg: RunConfig, stats: DataStats, report: PreflightReport) -> N
                 f"preflight.max_bad_fraction ({pct(limit)})",
                 fix if code != "too_long" else f"{fix} (longest sample: {d['max_length_seen']} tokens)",
             )
-    held = cfg.eval.holdout or 0
-    if held and held >= d["usable"]:  # the loop's holdout_indices refuses the same
-        report.error(
-            "data.holdout_too_large",
-            f"eval.holdout {held}: the dataset has {d['usable']} usable samples (training needs at "
-            "least one)",
-            "hold out fewer samples, or evaluate on a prompt file (eval.prompts)",
-        )
+    if cfg.eval.holdout:  # the loop's own choice of the held-out samples, refused here before any work
+        try:
+            holdout_indices(stats.usable(cfg.data.max_length), cfg.eval.holdout, cfg.train.seed)
+        except DataError as e:
+            report.error(e.code, e.message, e.fix)
     if d["truncated_to_batch"]:
         report.warn(
             "data.truncated_samples",
