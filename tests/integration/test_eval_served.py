@@ -47,19 +47,25 @@ def served_target(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def served_run(served_target, tmp_path_factory) -> Path:
-    """A run folder: 150 steps of `dflash train` (block 8, taps [1, 3]) on the target's own greedy text."""
+    """A run folder: 150 steps of `dflash train` (block 8, taps [1, 3], a 128-token draft vocabulary: the
+    harder way to serve, with its own head and d2t mapping) on the target's own greedy text. A drafter
+    over the whole vocabulary is served by vLLM in the GPU check's CPU smoke run (test_gpu_check.py)."""
     from trainer.demo.synth import greedy_dataset
 
     root = tmp_path_factory.mktemp("served")
     data = greedy_dataset(served_target, tiny_prompts(48), 56, root / "ds")
-    return train_tiny_drafter(served_target, data, root, [1, 3])
+    return train_tiny_drafter(served_target, data, root, [1, 3], drafter={"draft_vocab_size": 128})
 
 
 def test_vllm_counts_the_harness_tau_and_a_causally_served_export_is_caught(
     served_run, served_target, tmp_path
 ):
     """--engine both on the run's checkpoint: vLLM's own counters give the harness's tau (measured on
-    this CPU: identical rounds and accepted tokens), the committed text is the same. An export as
+    this CPU: identical rounds and accepted tokens), the committed text is the same. The drafter scores
+    a 128-token draft vocabulary: the harness maps the reduced head's ids back to target ids (tau well
+    above 1: unmapped draft ids would almost never be the target's tokens), and vLLM loads the
+    checkpoint's own 128-row head and its d2t instead of the target's head (which would score target
+    ids as draft ids). One training and one engine start serve both claims (they were two tests). An export as
     `dflash export` wrote it before it set `sliding_window_non_causal` is served by vLLM with a causal
     draft block (the drafter was trained non-causal): --engine vllm alone names that and fails. Today's
     export passes `dflash export --vllm-check`; a mask token edited in the export's config is caught
@@ -73,7 +79,10 @@ def test_vllm_counts_the_harness_tau_and_a_causally_served_export_is_caught(
         f"harness tau {rep['tau']:.4f} ({rep['rounds']} rounds), "
         f"vLLM {served['tau']:.4f} ({served['drafts']} drafts)"
     )
+    start = [json.loads(x) for x in (served_run / "events.jsonl").read_text().splitlines()][0]
+    assert start["layout"]["draft_vocab_size"] == 128
     assert rep["tau"] > 1.5, "the drafter learned too little for the comparison to mean anything"
+    assert rep["lossless"]["ok"]
     assert served["engine"].startswith("vllm ") and served["dtype"] == "float32"
     assert agree["ok"] and abs(agree["difference"]) <= 0.1
     assert abs(served["drafts"] - rep["rounds"]) <= 0.02 * rep["rounds"]
@@ -130,26 +139,6 @@ def test_vllm_counts_the_harness_tau_and_a_causally_served_export_is_caught(
         "trained with mask token 511" in failed["mask token"]
         and "vLLM drafts with 509" in failed["mask token"]
     )
-
-
-def test_a_draft_vocab_drafter_is_served_with_its_own_head_and_mapping(served_target, tmp_path):
-    """drafter.draft_vocab_size: the harness maps the reduced head's ids back to target ids (tau well
-    above 1: unmapped draft ids would almost never be the target's tokens), and vLLM loads the
-    checkpoint's own 128-row head and its d2t instead of the target's head (which would score target
-    ids as draft ids): vLLM counts the harness's tau and commits the same text."""
-    from trainer.demo.synth import greedy_dataset
-
-    data = greedy_dataset(served_target, tiny_prompts(48), 56, tmp_path / "ds")
-    run = train_tiny_drafter(served_target, data, tmp_path, [1, 3], drafter={"draft_vocab_size": 128})
-    start = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()][0]
-    assert start["layout"]["draft_vocab_size"] == 128
-    prompts = write_prompt_file(tmp_path / "p.jsonl", [{"input_ids": p} for p in tiny_prompts(6)])
-    rep = eval_both(run, served_target, prompts, tmp_path / "both" / "report.json")
-    served, agree = rep["served"], rep["engine_agreement"]
-    print(f"draft vocab 128: harness tau {rep['tau']:.4f}, vLLM {served['tau']:.4f}")
-    assert rep["tau"] > 1.5 and rep["lossless"]["ok"]
-    assert agree["ok"] and abs(agree["difference"]) <= 0.1
-    assert all(p["served_tokens_match"] for p in rep["per_prompt"])
 
 
 def test_an_unknown_engine_and_vllm_with_the_reference_loop_are_refused(served_run, served_target, tmp_path):
