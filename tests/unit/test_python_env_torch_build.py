@@ -62,3 +62,24 @@ def test_vllm_comes_as_its_cuda_build_with_the_engine(engine):
         "vllm==0.32.0+cu126",
     ]
     assert got == ["--reinstall-package", "torch", *(vllm if engine else [])]
+
+
+@pytest.mark.parametrize(
+    ("run_config", "trackers"),
+    [({}, False), ({"report_to": []}, False), ({"report_to": ["wandb", "mlflow"]}, True)],
+)
+def test_the_trackers_clients_come_with_a_run_config_that_reports_to_them(run_config, trackers):
+    """python_env_trackers follows the run config's report_to (preflight refuses a tracker whose client
+    is missing, and a node's uv venv has no pip to add it by hand): requirements/trackers.txt is
+    resolved with the runtime under its constraints, in the same uv call."""
+    cpu = {"python_env_torch_kind": "cpu", "python_env_engine_files": []}
+    values = {**BASE, **cpu, "trainer_service_run_config": run_config}
+    assert render_role_var("python_env", "python_env_trackers", values) is trackers
+    first = render_role_var("python_env", "python_env_install_steps", values)[0]
+    assert first[:4] == [
+        "-c",
+        "/opt/dflash/src/requirements/cpu-constraints.txt",
+        "-r",
+        "/opt/dflash/src/requirements/runtime.txt",
+    ]
+    assert (first[4:] == ["-r", "/opt/dflash/src/requirements/trackers.txt"]) is trackers, first

@@ -43,7 +43,8 @@ def missing_message(missing: list[tuple[str, str]]) -> str:
 
 INSTALL_FIX = (
     "install them into the run's venv: VENV/bin/python -m pip install -r requirements/trackers.txt "
-    "(docs/train.md, Trackers), or take them out of report_to"
+    "(a node the roles provision: python_env_trackers, on by itself when trainer_service_run_config "
+    "names them; docs/train.md, Trackers), or take them out of report_to"
 )
 
 
