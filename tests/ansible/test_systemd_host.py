@@ -7,7 +7,7 @@ import re
 
 from tests.ansible import testbed
 from tests.ansible.conftest import ROLE_PLAYBOOK as ROLE
-from tests.ansible.test_trainer_service import prepare_tiny_run, wait_for
+from tests.ansible.test_trainer_service import SECRET, prepare_tiny_run, wait_for
 
 UNIT = "/etc/systemd/system/dflash-train.service"
 OUT = "/opt/dflash/runs/tiny/out"
@@ -43,10 +43,18 @@ def test_systemd_unit_is_hardened_restarts_after_kill_9_and_resumes(
         "trainer_service_run_config": cfg,
         "trainer_service_run_name": "tiny",
         "trainer_service_env": {"OMP_NUM_THREADS": "1"},  # one core: the other lane's tests run beside it
+        # a tracker's token as the vault would give it (with the characters an env file must escape)
+        "trainer_service_secret_env": {"WANDB_API_KEY": SECRET},
         **provision_vars,
     }
     first = runner.run(ROLE, inv, limit="sysd", extravars=ev)
     assert first.ok(), "\n".join(str(f) for f in first.failures())
+    # the secret: in a root-only file the unit names, not in the unit (systemctl show), nor the play's output
+    assert SECRET not in host.ssh(bed, f"cat {UNIT}; systemctl show dflash-train").stdout
+    assert host.ssh(bed, "stat -c '%a %U' /etc/dflash /etc/dflash/dflash-train.env").stdout.split() == [
+        "700", "root", "600", "root"
+    ]  # fmt: skip
+    assert SECRET not in first.stdout + json.dumps(first.events, default=str)
     # the unit, checked again here by hand: no warning at all, exposure <= 5
     v = host.ssh(bed, f"systemd-analyze verify {UNIT}", check=False)
     assert v.returncode == 0 and v.stderr == "", v.stderr
@@ -70,6 +78,7 @@ def test_systemd_unit_is_hardened_restarts_after_kill_9_and_resumes(
     pid = int(prop(bed, host, "MainPID"))
     # the unit's main process is the trainer that wrote the run's start (Type=exec: no wrapper between)
     assert pid > 0 and pid == [e for e in events(bed, host) if e["event"] == "run_start"][-1]["pid"]
+    assert f"WANDB_API_KEY={SECRET}" in environ(bed, host, pid).split("\0")  # the trainer has it, unescaped
     host.ssh(bed, f"kill -9 {pid}")
     wait_for(
         lambda: prop(bed, host, "NRestarts") == "1" and prop(bed, host, "ActiveState") == "active",

@@ -11,6 +11,10 @@ from pathlib import Path
 from tests.ansible.conftest import ROLE_PLAYBOOK as ROLE
 from trainer.events import load_events
 
+# a tracker's token as the vault would give it, with what the service files must quote: $ " \ ` and
+# supervisord's %
+SECRET = 't0k$en"with\\backslash`and%'
+
 
 def prepare_tiny_run(bed, host, steps=2000, every=10):
     """`dflash demo --tiny --prepare-only` on the host: a random tiny target, its own data, a run config."""
@@ -58,10 +62,14 @@ def test_supervisord_runs_one_trainer_restarts_it_after_kill_9_and_it_resumes(
         "trainer_service_user": "root",
         "trainer_service_create_user": False,
         "trainer_service_env": {"OMP_NUM_THREADS": "1"},  # one core: the other lane's tests run beside it
+        "trainer_service_secret_env": {"WANDB_API_KEY": SECRET},
         **provision_vars,
     }
     first = runner.run(ROLE, inv, limit="node-a", extravars=ev)
     assert first.ok(), first.failures()
+    program = host.root / "supervisor" / "conf.d" / "dflash-train.conf"
+    assert program.stat().st_mode & 0o777 == 0o600  # the secret is in its environment= line
+    assert SECRET not in first.stdout + json.dumps(first.events, default=str)
     out = host.root / "runs" / "tiny" / "out"
     ctl = f"{host.root}/venv/bin/supervisorctl -c {host.root}/supervisor/supervisord.conf"
     try:
@@ -75,6 +83,8 @@ def test_supervisord_runs_one_trainer_restarts_it_after_kill_9_and_it_resumes(
         assert len(trainers) == 1, trainers
         pid = int(host.ssh(bed, f"{ctl} pid dflash-train").stdout)
         assert pid == int(trainers[0]) == run_starts(out)[-1]["pid"]
+        # the trainer has the secret as given (supervisord's quoting undone)
+        assert f"WANDB_API_KEY={SECRET}" in Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0")
         os.kill(pid, signal.SIGKILL)
         # supervisord restarts it; the new process resumes from the newest verified checkpoint
         started = wait_for(
