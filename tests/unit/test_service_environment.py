@@ -6,11 +6,7 @@ tests/ansible/test_systemd_host.py."""
 
 from __future__ import annotations
 
-import jinja2
 import pytest
-from ansible.plugins.filter.core import combine
-from supervisor.datatypes import dict_of_key_value_pairs
-from supervisor.options import expand
 
 from tests.unit.test_role_contracts import ROLES, render_role_var
 
@@ -24,7 +20,11 @@ VALUES = {
 
 
 def environment_line(env: dict, secrets: dict) -> str:
-    """program.conf.j2's environment= line, rendered as Ansible would."""
+    """program.conf.j2's environment= line, rendered as Ansible would (Ansible imported here, not at
+    collection: it patches sys.intern, which torch._dynamo then refuses to import)."""
+    import jinja2
+    from ansible.plugins.filter.core import combine
+
     text = (ROLES / "trainer_service/templates/program.conf.j2").read_text()
     tmpl = jinja2.Environment(undefined=jinja2.StrictUndefined)
     tmpl.filters["combine"] = combine
@@ -46,6 +46,9 @@ def environment_line(env: dict, secrets: dict) -> str:
 
 
 def test_supervisord_reads_back_every_value_the_role_lets_through():
+    from supervisor.datatypes import dict_of_key_value_pairs
+    from supervisor.options import expand
+
     env = {"HOME": "/run", **{f"K{i}": v for i, v in enumerate(VALUES.values())}}
     secrets = {"WANDB_API_KEY": VALUES["double quote, dollar, backslash, backtick, percent"]}
     line = environment_line(env, secrets)
