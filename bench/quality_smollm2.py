@@ -64,7 +64,8 @@ def main() -> int:
     ap.add_argument(
         "--templates",
         default="explain,write",
-        help="prompt forms, in turn (trainer.demo.synth.TEMPLATES): explain, write",
+        help="prompt forms, in turn (trainer.demo.synth.TEMPLATES): explain, write, complete (a stub "
+        "of the object to complete: the code-completion form)",
     )
     ap.add_argument("--regen-tokens", type=int, default=128)
     ap.add_argument("--regen-batch", type=int, default=16)
@@ -148,7 +149,12 @@ def main() -> int:
     )
     if len(texts) < args.prompts + args.heldout:
         print(f"[bench] only {len(texts)} docstring prompts available", flush=True)
-    held, train = texts[: args.heldout], texts[args.heldout :]
+    train = texts[args.heldout :]
+    # the held-out docstrings: the first objects of the same seeded order (none is trained on), always in
+    # the explain and write forms, so that every --templates scores on the same held-out prompts
+    held = synth.stdlib_docstrings(
+        args.heldout, seed=0, wide=args.pool == "wide", templates=("explain", "write")
+    )
     write_prompt_file(out / "train.jsonl", [{"prompt": t} for t in train])
     write_prompt_file(out / "heldout.jsonl", [{"prompt": t} for t in held])
     write_prompt_file(out / "heldout_humaneval.jsonl", humaneval_prompts(args.heldout))
@@ -363,8 +369,9 @@ def humaneval_prompts(n: int, seed: int = 0) -> list[dict]:
 
     rows = read_prompt_file(Path("humaneval"))  # the named set: {"text": signature + docstring}
     order = np.random.default_rng(seed).permutation(len(rows))[:n]
-    ask = "Complete this Python function. Reply with the whole function.\n\n```python\n{code}```"
-    return [{"prompt": ask.format(code=rows[i].value)} for i in order]
+    from trainer.demo.synth import COMPLETE_ASK
+
+    return [{"prompt": COMPLETE_ASK.format(code=rows[i].value)} for i in order]
 
 
 def ablation_table(rows_file: Path) -> str:

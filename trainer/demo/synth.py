@@ -145,10 +145,15 @@ STDLIB_SKIP = frozenset(
     "antigravity this idlelib tkinter turtle turtledemo lib2to3 ensurepip venv pydoc_data msvcrt "
     "winreg winsound nt".split()
 )
+# the ask of a code completion: the quality bench's HumanEval set asks it too (the same instruction, code
+# from another source)
+COMPLETE_ASK = "Complete this Python function. Reply with the whole function.\n\n```python\n{code}```"
 TEMPLATES = {
     "explain": "Explain what `{name}` does in Python and give a short example.\n\n{doc}",
     "write": "Write a short Python function that does what this describes, then show one call of it."
     "\n\n{doc}",
+    # a stub of the object (its signature where Python knows it, the paragraph as its docstring)
+    "complete": COMPLETE_ASK.replace("{code}", "{stub}"),
 }
 
 
@@ -176,6 +181,7 @@ def stdlib_docstrings(
             m for m in sorted(sys.stdlib_module_names) if not m.startswith("_") and m not in STDLIB_SKIP
         )
     found: dict[str, str] = {}
+    stubs: dict[str, str] = {}
     seen: set[str] = set()
     for mod_name in names:
         try:
@@ -196,14 +202,31 @@ def stdlib_docstrings(
             doc = inspect.getdoc(obj) or ""
             para = doc.split("\n\n")[0].replace("\n", " ").strip()
             if 40 <= len(para) <= 400 and not (wide and para in seen):
-                found.setdefault(f"{mod_name}.{name}", para)
+                key = f"{mod_name}.{name}"
+                if key not in found:
+                    found[key], stubs[key] = para, _stub(name, obj, para)
                 seen.add(para)
     keys = sorted(found)
     order = np.random.default_rng(seed).permutation(len(keys))
     return [
-        TEMPLATES[templates[j % len(templates)]].format(name=keys[i], doc=found[keys[i]])
+        TEMPLATES[templates[j % len(templates)]].format(name=keys[i], doc=found[keys[i]], stub=stubs[keys[i]])
         for j, i in enumerate(order[:limit])
     ]
+
+
+def _stub(name: str, obj, doc: str) -> str:
+    """`def name(signature):` (or `class name:`) with `doc` as its docstring, wrapped at 88 columns."""
+    import inspect
+    import textwrap
+
+    text = doc.replace("\\", "\\\\").replace('"' * 3, "'" * 3)
+    body = textwrap.fill(text, 84, initial_indent="    ", subsequent_indent="    ")
+    if inspect.isclass(obj):
+        head = f"class {name}:"
+    else:
+        head = f"def {name}{_signature(obj)}:"
+    quote = '"' * 3
+    return f"{head}\n    {quote}\n{body}\n    {quote}\n"
 
 
 def chat_dataset(
@@ -229,3 +252,31 @@ def chat_dataset(
                 device="cpu",
             )
         )
+
+
+class _Elided:
+    def __repr__(self) -> str:
+        return "..."
+
+
+def _signature(obj) -> str:
+    """The object's signature as source text: a default whose repr is not Python (`<class 'str'>`, a
+    function at an address that changes from run to run) shown as `...`; `(*args, **kwargs)` where Python
+    knows none or the text still does not parse."""
+    import ast
+    import inspect
+
+    try:
+        sig = inspect.signature(obj)
+    except (TypeError, ValueError):  # a builtin without a text signature
+        return "(*args, **kwargs)"
+    params = [
+        p.replace(default=_Elided()) if p.default is not p.empty and repr(p.default).startswith("<") else p
+        for p in sig.parameters.values()
+    ]
+    text = str(sig.replace(parameters=params, return_annotation=inspect.Signature.empty))
+    try:
+        ast.parse(f"def f{text}: pass")
+    except SyntaxError:
+        return "(*args, **kwargs)"
+    return text
