@@ -23,11 +23,14 @@ def environment_line(env: dict, secrets: dict) -> str:
     """program.conf.j2's environment= line, rendered as Ansible would (Ansible imported here, not at
     collection: it patches sys.intern, which torch._dynamo then refuses to import)."""
     import jinja2
-    from ansible.plugins.filter.core import combine
 
+    program_env = render_role_var(
+        "trainer_service",
+        "trainer_service_program_env",
+        {"trainer_service_env_all": env, "trainer_service_secret_env": secrets},
+    )
     text = (ROLES / "trainer_service/templates/program.conf.j2").read_text()
     tmpl = jinja2.Environment(undefined=jinja2.StrictUndefined)
-    tmpl.filters["combine"] = combine
     out = tmpl.from_string(text).render(
         ansible_managed="managed",
         trainer_service_run_name="r",
@@ -39,8 +42,7 @@ def environment_line(env: dict, secrets: dict) -> str:
         trainer_service_start_limit_burst=10,
         trainer_service_stop_timeout_s=600,
         trainer_service_stop_margin_s=120,
-        trainer_service_env_all=env,
-        trainer_service_secret_env=secrets,
+        trainer_service_program_env=program_env,
     )
     return next(x for x in out.splitlines() if x.startswith("environment="))[len("environment=") :]
 
