@@ -195,11 +195,12 @@ def test_the_drafter_reads_the_targets_embedding_and_trains_what_its_own_copy_tr
     assert a.keys() == b.keys() and [k for k in a if not torch.equal(a[k], b[k])] == []
 
 
-@pytest.mark.parametrize("recipe", [{}, RECIPE], ids=["adamw", "muon-dpace-draft-vocab"])
-def test_exact_resume_after_kill_9(tmp_path, tiny_target, tiny_data, recipe):
-    """kill -9 in step 7 and a restart end with the uninterrupted run's bits: with AdamW, and with the
-    recipe's levers (Muon's momentum, AdamW's moments in one optimizer state, D-PACE, the draft
-    vocabulary's own head)."""
+def test_exact_resume_after_kill_9(tmp_path, tiny_target, tiny_data):
+    """kill -9 in step 7 and a restart end with the uninterrupted run's bits, with the recipe's levers
+    (Muon's momentum, AdamW's moments in one optimizer state, D-PACE, the draft vocabulary's own head).
+    AdamW alone resumes exactly after kill -9 over 2 ranks (test_train_ranks.py's FSDP test) and from a
+    ZeRO-1 checkpoint: one process with AdamW only is what those already exercise, less the sharding."""
+    recipe = RECIPE
     extra = {"drafter": recipe.get("drafter"), **recipe.get("train", {})}
     ref = cfg_file(tmp_path, tiny_target, tiny_data, name="ref", max_steps=12, checkpoint_every=4, **extra)
     assert run_train(ref).returncode == 0
@@ -228,14 +229,11 @@ def test_exact_resume_after_kill_9(tmp_path, tiny_target, tiny_data, recipe):
     diff = [k for k in a if not torch.equal(a[k], b[k])]
     assert diff == [], f"resumed run differs from the uninterrupted one in {diff}"
     layout = starts[-1]["layout"]
-    if recipe:
-        assert layout["optimizer"] == "Muon+AdamW" and layout["position_weights"] == "dpace"
-        assert layout["draft_vocab_size"] == 96 and {"d2t", "t2d", "lm_head.weight"} <= a.keys()
-        state = torch.load(read_latest(out) / "trainer_state.pt", weights_only=False)
-        kinds = {k for st in state["optimizer"]["state"].values() for k in st}
-        assert {"momentum_buffer", "exp_avg"} <= kinds, kinds
-    else:
-        assert layout["optimizer"] == "AdamW" and "lm_head.weight" not in a
+    assert layout["optimizer"] == "Muon+AdamW" and layout["position_weights"] == "dpace"
+    assert layout["draft_vocab_size"] == 96 and {"d2t", "t2d", "lm_head.weight"} <= a.keys()
+    state = torch.load(read_latest(out) / "trainer_state.pt", weights_only=False)
+    kinds = {k for st in state["optimizer"]["state"].values() for k in st}
+    assert {"momentum_buffer", "exp_avg"} <= kinds, kinds
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
