@@ -61,10 +61,12 @@ def test_a_budget_killed_and_restarted_ends_inside_it_at_the_floor(tmp_path, tin
     assert steps[0]["step"] == 6 and steps[0]["lr"] <= first[-1]["lr"], "the schedule goes on, never back"
     lrs = [s["lr"] for s in steps]
     assert lrs == sorted(lrs, reverse=True), "after warm-up the rate only falls"
-    # at the floor: exactly when the step was planned as the last; a step far slower than its estimate
-    # (a loaded machine) leaves no room for the one planned last, and the run ends a step early, at a
-    # progress >= 0.99 of the decay (a loaded full run saw 1.0000042e-4 against 1e-4)
-    assert lrs[-1] == pytest.approx(lr * floor, rel=1e-3), "the last step runs at the floor"
+    # at the floor: exactly when the step was planned as the last (or the margin's slack held it after a
+    # slow step); a step far slower than its estimate (a loaded machine) can leave no room for the one
+    # planned last, and the run ends a step early, at a progress >= 0.99 of the decay (loaded full runs
+    # saw 1.0000042e-4 and 1.0015e-4 against 1e-4, the second before the slack held the last step)
+    at_99 = lr * floor + lr * (1 - floor) * 0.5 * (1 + math.cos(math.pi * 0.99))
+    assert lr * floor * (1 - 1e-6) <= lrs[-1] <= at_99, "the last step runs at the floor (>= 0.99 of it)"
     final = events_of(out, "checkpoint")[-1]
     assert final["reason"] == "final" and final["step"] == steps[-1]["step"] == end["step"]
     assert read_latest(out).name == final["name"]

@@ -91,17 +91,17 @@ def test_budget_factor_warms_up_then_decays_to_the_floor():
     assert budget_factor(0.0, flat) == 1.0 == budget_factor(1.0, flat)
 
 
-def simulate(control, scheduler, clock, *, step_s, ckpt_s, until=None, start=0):
-    """The loop's use of the control on a fake clock: each step takes `step_s` (the first one 3x),
-    a checkpoint `ckpt_s` (every train.checkpoint_every steps and after the last); returns (steps
-    done, lrs, states at each checkpoint)."""
+def simulate(control, scheduler, clock, *, step_s, ckpt_s, until=None, start=0, slow=None):
+    """The loop's use of the control on a fake clock: each step takes `step_s` (the first one 3x,
+    step N `slow[N]` when given), a checkpoint `ckpt_s` (every train.checkpoint_every steps and after
+    the last); returns (steps done, lrs, states at each checkpoint)."""
     every = control.every
     step, lrs, states = start, [], []
     while until is None or step < until:
         if not control.before_step(step, scheduler):
             break
         lrs.append(scheduler.get_last_lr()[0])
-        clock.now += step_s * (3 if step == start else 1)
+        clock.now += (slow or {}).get(step + 1, step_s * (3 if step == start else 1))
         scheduler.step()
         step += 1
         last = control.after_step(step)
@@ -145,6 +145,27 @@ def test_the_schedule_ends_at_its_floor_and_the_checkpoint_before_the_budget(tmp
     capped = make(tmp_path / "c", FakeClock(), max_steps=20)
     steps, lrs, _ = simulate(capped[1], capped[2], capped[1].budget.clock, step_s=1.0, ckpt_s=2.0)
     assert steps == 20 and lrs[-1] == pytest.approx(1e-3), "max_steps first: the decay ends there"
+
+
+def test_a_slow_step_before_the_last_still_leaves_the_last_at_the_floor(tmp_path):
+    """A step far slower than its estimate carries the clock past where stepping stops before the step
+    planned last (a loaded machine: a full suite saw the run end a step early at 1.0015e-4 against a
+    1e-4 floor). The margin's slack holds that last step, at the floor, and the checkpoint inside the
+    budget; a step slower still leaves no room and the run ends with what it has, inside the budget."""
+    even = FakeClock()
+    _, control, sched = make(tmp_path / "even", even)
+    steps, _, _ = simulate(control, sched, even, step_s=1.0, ckpt_s=2.0)
+    # 1 s steps, 2 s checkpoints: a 2.6 s step two before the end passes where stepping stops (the old
+    # rule ended the run there, its last rate above the floor); a 3.5 s one leaves no room for a 1.5 s
+    # step (the running rate after it) and the checkpoint
+    for slow_s, runs_last in ((2.6, True), (3.5, False)):
+        clock = FakeClock()
+        t, control, sched = make(tmp_path / str(slow_s), clock)
+        done, lrs, _ = simulate(control, sched, clock, step_s=1.0, ckpt_s=2.0, slow={steps - 2: slow_s})
+        spent = clock.now - 500.0
+        assert spent <= 100.0, f"final checkpoint written at {spent} s of a 100 s budget"
+        assert (lrs[-1] == pytest.approx(t.lr * t.min_lr_ratio)) is runs_last, (slow_s, lrs[-3:])
+        assert done == steps - 2 + runs_last, (slow_s, done, steps)
 
 
 def test_a_restart_counts_the_time_spent_and_continues_the_schedule(tmp_path):

@@ -9,9 +9,12 @@ time between a crash and the restart (the service's restart delay) is not counte
 The stop rule: with C the measured checkpoint write and t a step (both refined as the run goes), the
 run stops stepping once less than the stop margin `SLACK * (C + t)` is left; the decision is taken one
 step ahead, so the last step knows it is the last and runs at the schedule's floor, and the final
-checkpoint lands before the budget ends. The schedule's progress of a step is the time at its end over
-the time where stepping stops (`budget - margin`), or its share of `train.max_steps` when that is
-further on: whichever ends first ends the run and the decay (trainer/training/state.py).
+checkpoint lands before the budget ends. A step slower than its estimate can carry the clock past that
+point before the step planned last: the slack (the margin less C + t) then still holds that last step
+at the floor and the checkpoint; only when even C + t no longer fit does the run end without it.
+The schedule's progress of a step is the time at its end over the time where stepping stops
+(`budget - margin`), or its share of `train.max_steps` when that is further on: whichever ends first
+ends the run and the decay (trainer/training/state.py).
 """
 
 from __future__ import annotations
@@ -135,15 +138,21 @@ class RunBudget:
     def plan_step(self, step: int, max_steps: int, checkpoint_after: bool = False) -> StepPlan:
         """The next step (number `step + 1`): its progress (time at its end over where stepping
         stops, or its share of max_steps, whichever is further; never below the last one's), last
-        when after it less than the margin would be left or max_steps is reached; no room for it
-        when the margin is already eaten (a restart late in the budget, a step far slower than the
-        ones before). `checkpoint_after`: a periodic checkpoint follows the step, its time counts."""
+        when after it less than the margin would be left or max_steps is reached; once the margin is
+        entered (a step slower than its estimate), one last step if it and the final checkpoint still
+        fit, no room for it when they do not (a restart late in the budget, a step far slower than
+        the ones before). `checkpoint_after`: a periodic checkpoint follows the step, its time counts."""
         s, t, margin = self.spent(), self.step_estimate(), self.margin_s()
         if checkpoint_after:
             t += self.checkpoint_estimate()
         stop_at = self.budget_s - margin
-        if s >= stop_at:  # no room for a step and its checkpoint
-            return StepPlan(progress=1.0, last=True, run=False)
+        if s >= stop_at:
+            # a step ran slower than its estimate and ate into the margin: the slack still holds one
+            # last step at the floor and the final checkpoint when a step at the running rate fits
+            # (else the run would end a step early, its last rate above the floor); no room when not
+            typical = self.step_s if self.step_s is not None else t
+            room = s + typical + self.checkpoint_estimate() <= self.budget_s
+            return StepPlan(progress=1.0, last=True, run=room)
         last = s + t >= stop_at or step + 1 >= max_steps  # the next one would have no room
         if last:
             return StepPlan(progress=1.0, last=True)
