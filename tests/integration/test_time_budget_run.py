@@ -16,6 +16,7 @@ import pytest
 from tests.conftest import wait_for
 from tests.integration.test_train import ENV, cfg_file, events_of, run_train
 from trainer.checkpoint import read_latest
+from trainer.training.budget import JITTER_S
 
 pytestmark = pytest.mark.slow
 
@@ -49,7 +50,7 @@ def test_a_budget_killed_and_restarted_ends_inside_it_at_the_floor(tmp_path, tin
     assert [c["step"] for c in events_of(out, "checkpoint")] == [5] and len(first) == 7
     loading = events_of(out, "run_start")[0]["totals"]["budget_spent_s"]
     step_s = max(s["step_s"] for s in first[1:])
-    budget = math.ceil(killed + 2 * loading + 12 * step_s + 1)
+    budget = math.ceil(killed + 2 * loading + 12 * step_s + 1 + JITTER_S)
     cfg = cfg_file(tmp_path, tiny_target, tiny_data, name="run", **(train | {"time_budget": f"{budget}s"}))
 
     res = run_train(cfg)

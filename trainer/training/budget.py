@@ -6,12 +6,15 @@ trainer state and in `out_dir/budget.json`, rewritten every WRITE_EVERY_S second
 that hangs counts too), so a restart after a kill -9 counts the time since the last checkpoint. The
 time between a crash and the restart (the service's restart delay) is not counted.
 
-The stop rule: with C the measured checkpoint write and t a step (both refined as the run goes), the
-run stops stepping once less than the stop margin `SLACK * (C + t)` is left; the decision is taken one
-step ahead, so the last step knows it is the last and runs at the schedule's floor, and the final
-checkpoint lands before the budget ends. A step slower than its estimate can carry the clock past that
-point before the step planned last: the slack (the margin less C + t) then still holds that last step
-at the floor and the checkpoint; only when even C + t no longer fit does the run end without it.
+The stop rule: with C the slowest checkpoint write and t a step (the running average, or the newest
+step when slower), the run stops stepping once less than the stop margin `SLACK * (C + t) + JITTER_S`
+is left; the decision is taken one step ahead, so the last step knows it is the last and runs at the
+schedule's floor, and the final checkpoint lands before the budget ends. JITTER_S is for what no
+estimate sees coming on a loaded machine (a step or a write descheduled for a second: a full suite saw
+a 0.1 s step take 0.8 s and a 0.5 s margin overrun). A step slower than its estimate can carry the
+clock past that point before the step planned last: the margin's slack then still holds that last step
+at the floor and the checkpoint when a step at the running rate and C fit; only when they no longer
+fit does the run end without it.
 The schedule's progress of a step is the time at its end over the time where stepping stops
 (`budget - margin`), or its share of `train.max_steps` when that is further on: whichever ends first
 ends the run and the decay (trainer/training/state.py).
@@ -34,6 +37,7 @@ UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 _PART = re.compile(r"(\d+(?:\.\d+)?)([smhd])")
 MAX_BUDGET_S = 366 * 86400
 SLACK = 1.25  # the stop margin over the measured checkpoint write + one step
+JITTER_S = 2.0  # added to the stop margin: scheduling delays no step or write estimate foresees
 EMA = 0.3  # weight of the newest step time in the running estimate
 BUDGET_FILE = "budget.json"
 BUDGET_ONLY_STEPS = 10**9  # train.max_steps of a config with a time budget and no max_steps
@@ -127,9 +131,10 @@ class RunBudget:
         return max(self.step_s or 0.0, self.last_step_s)
 
     def margin_s(self) -> float:
-        """Time kept for the final checkpoint and the step the decision is ahead by. Before any
-        checkpoint was timed, a guess: 2 % of the budget, at most a minute."""
-        return SLACK * (self.checkpoint_estimate() + self.step_estimate())
+        """Time kept for the final checkpoint and the step the decision is ahead by, and JITTER_S for
+        delays nothing measured foresees. Before any checkpoint was timed, C is a guess: 2 % of the
+        budget, at most a minute."""
+        return SLACK * (self.checkpoint_estimate() + self.step_estimate()) + JITTER_S
 
     def checkpoint_estimate(self) -> float:
         return self.checkpoint_s if self.checkpoint_s is not None else min(60.0, 0.02 * self.budget_s)
