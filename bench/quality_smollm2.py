@@ -15,7 +15,7 @@ at block size 8 on both sets within 60 minutes of a 2-core machine, regeneration
 `--engine both` also measures tau as vLLM serves the trained drafter (bench/served_tau.py compares it
 with a causally served block on the same run).
 
-The recipe's levers are flags (`--draft-vocab-size`, `--optimizer`, `--position-weights`,
+The recipe's levers are flags (`--draft-vocab-size`, `--init`, `--optimizer`, `--position-weights`,
 `--max-anchors`, `--lr`, `--muon-lr`); `--tag NAME` trains and evaluates under `--out/runs/NAME` on the
 same regenerated data and held-out prompts as every other tag of that `--out`, and appends a row to
 `--out/ablation.jsonl`; `--out/ablation.md` is the table of all rows (tau, tau_vLLM when measured,
@@ -78,6 +78,12 @@ def main() -> int:
         "--train-minutes, the schedule following the run's own step rate)",
     )
     ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument(
+        "--init",
+        choices=("random", "target"),
+        default="random",
+        help="drafter.init: target starts the layers as the target's last ones (trainer/drafter_init.py)",
+    )
     ap.add_argument("--block", type=int, default=8)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--tokens-per-step", type=int, default=512)
@@ -204,6 +210,7 @@ def main() -> int:
         "block_size": args.block,
         "aux_layer_ids": AUX,
         "mask_token_id": MASK,
+        "init": args.init,
     }
     if args.draft_vocab_size:
         drafter["draft_vocab_size"] = args.draft_vocab_size
@@ -323,6 +330,7 @@ def main() -> int:
             "lr": args.lr,
             "muon_lr": args.muon_lr,
             "layers": args.layers,
+            "init": args.init,
             "tokens_per_step": args.tokens_per_step,
             "schedule": f"{args.train_steps} steps" if args.train_steps else "time budget",
             "pool": args.pool,
@@ -381,11 +389,11 @@ def ablation_table(rows_file: Path) -> str:
         r = json.loads(line)
         rows[r["tag"]] = r
     out = [
-        "| tag | draft vocab | layers | loss | optimizer | position weights | anchors | lr | schedule "
+        "| tag | draft vocab | layers | init | loss | optimizer | position weights | anchors | lr | schedule "
         "| tau docstrings "
         "| tau HumanEval | tau vLLM (doc. / HE) | slot-1 acc. | regen. min | train min | steps | tokens "
         "| eal (last 20) | wall min |",
-        "|" + " --- |" * 19,
+        "|" + " --- |" * 20,
     ]
 
     def num(v: float | None) -> str:
@@ -401,6 +409,7 @@ def ablation_table(rows_file: Path) -> str:
         lr = f"{c['lr']:g}" + (f" / muon {c['muon_lr']:g}" if c.get("muon_lr") else "")
         out.append(
             f"| {r['tag']} | {c['draft_vocab_size'] or 'full'} | {c.get('layers', 2)} "
+            f"| {c.get('init', 'random')} "
             f"| {c.get('loss', 'ce')} | {c['optimizer']} | {c['position_weights']} "
             f"| {c['max_anchors']} | {lr} | {c.get('schedule', 'steps')} | {num(tau.get('docstrings'))} "
             f"| {num(tau.get('humaneval'))} | {vllm} "

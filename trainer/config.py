@@ -117,6 +117,12 @@ class DrafterConfig(Section):
     warm_start: Path | None = Field(
         None, description="speculators checkpoint folder to take initial weights from (not a resume)"
     )
+    init: Literal["random", "target"] = Field(
+        "random",
+        description="the fresh drafter's layers: random, or target: copies of the target's last "
+        "num_layers layers (attention, MLP, norms), its final norm, fc passing the deepest aux layer "
+        "through (trainer/drafter_init.py); not with warm_start",
+    )
     draft_vocab_size: int | None = Field(
         None,
         ge=2,

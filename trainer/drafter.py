@@ -67,7 +67,8 @@ def draft_layer_config(cfg: RunConfig):
 
 
 def build_drafter(cfg: RunConfig, device: torch.device, head_dtype: torch.dtype | None = None):
-    """A fresh drafter (or one warm-started from `drafter.warm_start`), trainable params fp32; with
+    """A fresh drafter (its layers random, or the target's last ones with `drafter.init: target`; or
+    warm-started from `drafter.warm_start`), trainable params fp32; with
     `drafter.draft_vocab_size`, its heads are the target's rows of the data's most frequent
     supervised tokens (trainer/draft_vocab.py). `head_dtype`: store the frozen heads in that dtype
     (bf16 under bf16 autocast, see cast_frozen_heads)."""
@@ -100,6 +101,12 @@ def build_drafter(cfg: RunConfig, device: torch.device, head_dtype: torch.dtype 
     share_frozen_head(model)
     if head_dtype is not None:
         cast_frozen_heads(model, head_dtype)
+    if cfg.drafter.init == "target":  # preflight refused a target it cannot copy; this checks again
+        from trainer.drafter_init import init_from_target
+        from trainer.target import TargetInfo
+
+        layers = TargetInfo.from_folder(cfg.target.path).num_layers
+        init_from_target(model, cfg.target.path, layers, cfg.drafter.intermediate_size)
     if cfg.drafter.warm_start is not None:
         load_trainable_weights(model, Path(cfg.drafter.warm_start) / "model.safetensors")
     return model.to(device)

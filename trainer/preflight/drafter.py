@@ -1,6 +1,7 @@
 """The drafter's config gates: aux layer ids (in speculators' convention, after conversion), the mask
 token (against the target's config and, when the folder has one, its tokenizer) and the block size,
-and a warm-start checkpoint's wiring (fc width, aux ids, hidden size)."""
+`drafter.init: target`'s copy plan (trainer/drafter_init.py), and a warm-start checkpoint's wiring
+(fc width, aux ids, hidden size)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from trainer.drafter_init import FIX as INIT_FIX
+from trainer.drafter_init import plan_target_init
 from trainer.preflight.report import PreflightReport
 from trainer.target import TargetInfo, read_json, read_weight_headers
 from trainer.tokenizer_files import TokenizerFiles
@@ -134,6 +137,26 @@ def drafter_gate(cfg: RunConfig, target: TargetInfo | None, report: PreflightRep
     tokenizer = TokenizerFiles.from_folder(cfg.target.path)
     for code, message in mask_token_problems(d.mask_token_id, target, tokenizer):
         report.error(code, message, MASK_FIX)
+    if d.init == "target":
+        _target_init_check(cfg, target, report)
+
+
+def _target_init_check(cfg: RunConfig, target: TargetInfo, report: PreflightReport) -> None:
+    """`drafter.init: target` needs the target's last layers to be plain decoder layers of the
+    drafter's shapes, and no warm start (which would overwrite them)."""
+    d = cfg.drafter
+    if d.warm_start is not None:
+        report.error(
+            "config.init_with_warm_start",
+            "drafter.init is target and drafter.warm_start is set: the warm start would overwrite the copy",
+            "remove one of them (warm_start continues a trained drafter; init: target starts a fresh one)",
+        )
+    headers = read_weight_headers(cfg.target.path)
+    if headers.problems:
+        return  # the target gate reports them
+    plan = plan_target_init(headers.tensors, target.num_layers, d.num_layers, d.intermediate_size)
+    for problem in plan.problems:
+        report.error("config.init_target_layers", f"drafter.init: target: {problem}", INIT_FIX)
 
 
 def mask_token_problems(
