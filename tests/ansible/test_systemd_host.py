@@ -47,6 +47,13 @@ def test_the_hardened_unit_runs_the_vllm_source_restarts_after_kill_9_and_resume
     connector: the trainer starts its server without it. One journey stands for what two tests proved
     (the hooked source's restart, the vLLM source's start): the restart is the vLLM source's, harder."""
     host = systemd_host
+    try:
+        journey(bed, host, provision_vars, engine_wheel_cache, runner, tmp_path)
+    finally:  # a failure must not leave the trainer and its server using cores for the rest of the lane
+        host.ssh(bed, "systemctl stop dflash-train", check=False)
+
+
+def journey(bed, host, provision_vars, engine_wheel_cache, runner, tmp_path):
     # podman's default /dev/shm (64 MiB) cannot hold vLLM's engine queues (preflight says so: the rented-node
     # journey proves that refusal); this node gets a larger one
     testbed._podman("exec", "--privileged", host.container, "mount", "-o", "remount,size=1g", "/dev/shm")
@@ -109,8 +116,9 @@ def test_the_hardened_unit_runs_the_vllm_source_restarts_after_kill_9_and_resume
         lambda: prop(bed, host, "NRestarts") == "1" and prop(bed, host, "ActiveState") == "active",
         what="systemd to restart the trainer",
     )
-    starts = wait_for(
+    starts = wait_for(  # after the restart's new server is up: minutes on a loaded machine
         lambda: [e for e in events(bed, host) if e["event"] == "run_start" and e.get("resumed_from")],
+        timeout=500,
         what="a resumed run_start",
     )
     resumed_at = starts[-1]["start_step"]
