@@ -6,10 +6,22 @@ are the only stop rule, as in the project's transformers paths."""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 CPU_KV_CACHE_BYTES = 2 * 2**30  # the KV cache on a CPU host (vLLM otherwise reserves 92 % of its RAM)
+# a folder holding only a sitecustomize.py that asks Linux for the AMX tile state in each of the engine's
+# processes (vLLM's CPU workers use AMX for bf16 without asking: SIGILL on the first request)
+AMX_SITE = Path(__file__).parent / "amx_site"
+
+
+def cpu_engine_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """What a vLLM CPU engine's processes need in their environment beyond `environ`: AMX_SITE first on
+    PYTHONPATH (the engine spawns its workers: nothing done in this process reaches them)."""
+    rest = [p for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(AMX_SITE)]
+    return {"PYTHONPATH": os.pathsep.join([str(AMX_SITE), *rest])}
 
 
 def import_vllm(flag: str, error: type[Exception]):
@@ -58,6 +70,7 @@ def build_engine(
     }
     if cpu:
         kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
+        os.environ.update(cpu_engine_env(os.environ))  # the engine's spawned processes inherit it
     if dtype != "auto":
         kwargs["dtype"] = dtype
     return vllm.LLM(**kwargs)

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from trainer.errors import DflashError, ExitCode
-from trainer.vllm_engine import CPU_KV_CACHE_BYTES
+from trainer.vllm_engine import CPU_KV_CACHE_BYTES, cpu_engine_env
 
 CUDA_CONNECTOR = ("HiddenStatesConnector", "trainer.sources.vllm_connector")  # class, module
 CPU_CONNECTOR = ("CpuHiddenStatesConnector", "trainer.sources.vllm_connector")
@@ -292,7 +292,7 @@ def owned_server_command(cfg, port: int, host: str = "127.0.0.1") -> tuple[list[
         gpu_memory_utilization=v.gpu_memory_utilization,
         host=host,
     )
-    env: dict[str, str] = {}
+    env: dict[str, str] = cpu_engine_env(os.environ) if cpu else {}
     if not cpu:
         if v.gpus is not None:  # the node's GPU numbers, as CUDA_VISIBLE_DEVICES takes them
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in v.gpus)
