@@ -19,9 +19,16 @@ AMX_SITE = Path(__file__).parent / "amx_site"
 
 def cpu_engine_env(environ: Mapping[str, str]) -> dict[str, str]:
     """What a vLLM CPU engine's processes need in their environment beyond `environ`: AMX_SITE first on
-    PYTHONPATH (the engine spawns its workers: nothing done in this process reaches them)."""
+    PYTHONPATH (the engine spawns its workers: nothing done in this process reaches them), and where
+    `environ` sets OMP_NUM_THREADS (a service's share of the host's cores) VLLM_CPU_OMP_THREADS_BIND=nobind
+    unless it is set: vLLM's default ("auto") replaces OMP_NUM_THREADS with every core of the host and
+    pins a thread to each, so the engine fights the trainer beside it for the cores the service gave the
+    trainer (one slow core stalls each of its parallel regions)."""
     rest = [p for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(AMX_SITE)]
-    return {"PYTHONPATH": os.pathsep.join([str(AMX_SITE), *rest])}
+    env = {"PYTHONPATH": os.pathsep.join([str(AMX_SITE), *rest])}
+    if "OMP_NUM_THREADS" in environ and "VLLM_CPU_OMP_THREADS_BIND" not in environ:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+    return env
 
 
 def import_vllm(flag: str, error: type[Exception]):

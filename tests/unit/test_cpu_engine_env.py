@@ -1,7 +1,10 @@
-"""trainer/amx_site: every process of a vLLM CPU engine asks Linux for the AMX tile state (vLLM's spawned
-CPU workers use AMX for bf16 without asking and die with SIGILL on the first request: seen on a Xeon with
-amx_tile, tests/integration/test_vllm_source.py's bf16 case). Here: a fresh Python with the folder on its
-PYTHONPATH holds the permission exactly when the CPU has AMX, and the sitecustomize it shadows still runs."""
+"""trainer/vllm_engine.cpu_engine_env, the environment of a vLLM CPU engine's processes.
+
+trainer/amx_site: each process asks Linux for the AMX tile state (vLLM's spawned CPU workers use AMX for
+bf16 without asking and die with SIGILL on the first request: seen on a Xeon with amx_tile,
+tests/integration/test_vllm_source.py's bf16 case). A fresh Python with the folder on its PYTHONPATH holds
+the permission exactly when the CPU has AMX, and the sitecustomize it shadows still runs. The thread count
+a service sets is kept (vLLM's default binding replaces it with every core, pinned)."""
 
 import json
 import os
@@ -58,3 +61,12 @@ def test_the_owned_cpu_servers_environment_carries_it(make_config):
     _, changes, _ = owned_server_command(cfg, port=1)
     env, _ = server_environment(os.environ, changes)
     assert env["PYTHONPATH"].split(os.pathsep)[0] == str(AMX_SITE)
+
+
+def test_a_thread_count_the_environment_sets_is_kept_unless_a_binding_is_asked_for():
+    """vLLM's default binding ("auto") sets OMP_NUM_THREADS to every core and pins a thread to each: an
+    engine beside a trainer the service gave OMP_NUM_THREADS=1 took both cores of this machine."""
+    assert cpu_engine_env({"OMP_NUM_THREADS": "1"})["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in cpu_engine_env({})  # no choice made: vLLM's own default
+    mine = {"OMP_NUM_THREADS": "4", "VLLM_CPU_OMP_THREADS_BIND": "0-3"}
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in cpu_engine_env(mine)  # the user's binding stands
