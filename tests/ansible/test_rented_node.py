@@ -13,8 +13,9 @@ as PID 1 on an odd port; root), with the inventory as a user writes it (a privat
   PYTORCH_CUDA_ALLOC_CONF) starts its vLLM server (without it) and the monitor under supervisord, the
   monitor answers on the node's 127.0.0.1, and a second run changes nothing;
 - uv without pip and without a wheel cache: the controller downloads the wheel for the node's machine type;
-- `salvage.yml` stops the run with a final checkpoint, pushes from the node to a real S3 server (radosgw)
-  and says the node can go.
+- `salvage.yml` stops the run with a final checkpoint, pushes from the node to a real S3 server (radosgw),
+  writes the notes, leaves no credentials file on the node and says the node can go; a second salvage
+  changes nothing.
 
 What stands in for the real thing: no GPU (the GPU roles skip with their reason), and the node reaches
 Debian's mirror but no other index (the wheel cache carries the Python packages, as on a node without
@@ -113,7 +114,44 @@ def test_a_rented_node_from_bare_to_a_running_run_then_salvaged(
         said
     )
     assert not host.ssh(bed, "pgrep -f 'dflash train'", check=False).stdout
-    # what the user does about it (the provider's shared-memory setting); here: a larger tmpfs
+    # uv without pip and without a wheel cache: the controller fetches the wheel for the node's machine
+    # (here, while nothing trains on the node: a running trainer and its server take a core and a half)
+    uv_play = tmp_path / "uv.yml"
+    uv_play.write_text(
+        yaml.safe_dump(
+            [
+                {
+                    "name": "uv alone",
+                    "hosts": "all",
+                    "gather_facts": False,
+                    "tasks": [
+                        {
+                            "name": "uv from python_env",
+                            "ansible.builtin.include_role": {"name": "python_env", "tasks_from": "uv"},
+                        }
+                    ],
+                }
+            ]
+        )
+    )
+    uv = runner.run(
+        str(uv_play),
+        inv,
+        limit="rented",
+        extravars={
+            **ev,
+            "python_env_wheel_cache": "",
+            "python_env_uv_dir": "/opt/uv-alone",
+            "python_env_host_wheels": "/opt/uv-alone/wheels",
+            "python_env_uv_download": str(tmp_path / "uv-wheels"),
+        },
+    )
+    assert uv.ok(), "\n".join(map(str, uv.failures()))
+    assert list((tmp_path / "uv-wheels").glob("uv-*manylinux_2_17_x86_64*.whl"))
+    version = host.ssh(bed, "/opt/uv-alone/uv-*.data/scripts/uv --version").stdout
+    assert version.startswith("uv "), version
+
+    # what the user does about the refusal (the provider's shared-memory setting); here: a larger tmpfs
     testbed._podman("exec", "--privileged", host.container, "mount", "-o", "remount,size=1g", "/dev/shm")
 
     again = runner.run("train.yml", inv, limit="rented", extravars=ev)
@@ -174,42 +212,6 @@ def test_a_rented_node_from_bare_to_a_running_run_then_salvaged(
     second = runner.run("train.yml", inv, limit="rented", extravars=ev)
     assert second.ok() and second.changed("rented") == 0, second.changed_tasks("rented")
 
-    # uv without pip and without a wheel cache: the controller fetches the wheel for the node's machine
-    uv_play = tmp_path / "uv.yml"
-    uv_play.write_text(
-        yaml.safe_dump(
-            [
-                {
-                    "name": "uv alone",
-                    "hosts": "all",
-                    "gather_facts": False,
-                    "tasks": [
-                        {
-                            "name": "uv from python_env",
-                            "ansible.builtin.include_role": {"name": "python_env", "tasks_from": "uv"},
-                        }
-                    ],
-                }
-            ]
-        )
-    )
-    uv = runner.run(
-        str(uv_play),
-        inv,
-        limit="rented",
-        extravars={
-            **ev,
-            "python_env_wheel_cache": "",
-            "python_env_uv_dir": "/opt/uv-alone",
-            "python_env_host_wheels": "/opt/uv-alone/wheels",
-            "python_env_uv_download": str(tmp_path / "uv-wheels"),
-        },
-    )
-    assert uv.ok(), "\n".join(map(str, uv.failures()))
-    assert list((tmp_path / "uv-wheels").glob("uv-*manylinux_2_17_x86_64*.whl"))
-    version = host.ssh(bed, "/opt/uv-alone/uv-*.data/scripts/uv --version").stdout
-    assert version.startswith("uv "), version
-
     salvage = runner.run("salvage.yml", inv, limit="rented", extravars=ev)
     assert salvage.ok(), salvage.stdout[-6000:]
     assert "rented can go" in salvage.task_results("The verdict", "rented")[0]["msg"]
@@ -223,5 +225,13 @@ def test_a_rented_node_from_bare_to_a_running_run_then_salvaged(
     assert f"journey/rented/demo/run/checkpoints/{last}/model.safetensors" in keys
     board = f"journey/rented/demo/run/tensorboard/{start['run_id']}/events.out.tfevents."
     assert any(k.startswith(board) for k in keys), sorted(keys)
-    text = "".join(r.stdout + json.dumps(r.events, default=str) for r in (first, again, second, salvage))
+    # the node pushed (salvage_push_from: node, the default) and wrote the notes; its credentials file is gone
+    notes = host.ssh(bed, f"cat {ROOT}/salvage/NOTES.md").stdout
+    assert "**Verdict: the node can go.**" in notes and "s3://salvage/journey/rented/demo/" in notes, notes
+    assert host.ssh(bed, f"test -e {ROOT}/.salvage-aws-credentials", check=False).returncode == 1
+    # a second salvage (the run stopped, everything in S3 already) changes nothing
+    resalvage = runner.run("salvage.yml", inv, limit="rented", extravars=ev)
+    assert resalvage.ok() and resalvage.changed("rented") == 0, resalvage.changed_tasks("rented")
+    runs = (first, again, second, salvage, resalvage)
+    text = "".join(r.stdout + json.dumps(r.events, default=str) for r in runs)
     assert TEST_SECRET_KEY not in text and TEST_ACCESS_KEY not in text

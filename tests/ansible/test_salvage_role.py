@@ -3,13 +3,12 @@ the host's venv) and a fake long-running "sglang" server run on node-a; --check 
 stops only the trainer (final checkpoint verified), collects, fetches the set to the controller (verified
 against its manifest), pushes it from the controller to a real S3 server (Ceph radosgw on the
 controller's 127.0.0.1, which the host's network namespace cannot reach), verifies by read-back and
-writes NOTES.md; a second run changes nothing; the credentials appear in no output."""
+writes NOTES.md; a second run changes nothing; the credentials appear in no output. Pushing from the node
+(salvage_push_from: node, the default) is the rented-node journey's salvage (test_rented_node.py)."""
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 import sys
 import time
@@ -17,7 +16,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.ansible.conftest import gateway
 from tests.conftest import write_config
 from tests.s3servers import TEST_ACCESS_KEY, TEST_SECRET_KEY, client
 from trainer.checkpoint import read_latest, verify_checkpoint
@@ -25,27 +23,6 @@ from trainer.events import load_events
 
 pytestmark = pytest.mark.slow
 FAST = {"max_tokens_per_batch": 256, "max_anchors": 32, "lr": 1.0e-3, "warmup_steps": 2}
-
-
-@pytest.fixture(scope="module")
-def finished_tiny_run(tmp_path_factory, tiny_target, tiny_data) -> Path:
-    root = tmp_path_factory.mktemp("done")
-    cfg = write_config(
-        root / "run.yaml",
-        tiny_target,
-        tiny_data,
-        root / "run",
-        train={**FAST, "max_steps": 4, "checkpoint_every": 2},
-    )
-    res = subprocess.run(
-        [sys.executable, "-m", "trainer.cli", "train", "--config", str(cfg)],
-        capture_output=True,
-        text=True,
-        check=False,
-        env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"},
-    )
-    assert res.returncode == 0, res.stderr[-3000:]
-    return root / "run"
 
 
 def _events(out: Path, kind: str) -> list[dict]:
@@ -151,43 +128,3 @@ def test_salvage_playbook_on_a_real_host(bed, provisioned, runner, rgw, tiny_tar
         text = res.stdout + json.dumps(res.events, default=str)
         assert TEST_SECRET_KEY not in text and TEST_ACCESS_KEY not in text
     subprocess.run(["kill", str(sglang_pid)], check=False)
-
-
-def test_salvage_playbook_pushing_from_the_node(bed, provisioned, runner, rgw, finished_tiny_run, tmp_path):
-    """salvage_push_from: node -- the node itself pushes, verifies (speculators in the host's venv) and
-    writes the notes; its credentials file is gone afterwards."""
-    host = bed.hosts["node-b"]
-    out = host.root / "runs" / "done"
-    shutil.copytree(finished_tiny_run, out)
-    endpoint = f"http://{gateway(host)}:{rgw.port}"
-    inv = bed.inventory(
-        tmp_path / "inv.yml",
-        extra_hostvars={"node-b": {"salvage_run_dir": str(out)}},
-        group_vars={
-            "dflash_s3_bucket": "salvage",
-            "dflash_s3_prefix": "role-node",
-            "dflash_s3_endpoint_url": endpoint,
-        },
-    )
-    secrets = {"vault_s3_access_key_id": TEST_ACCESS_KEY, "vault_s3_secret_access_key": TEST_SECRET_KEY}
-    res = runner.run("salvage.yml", inv, limit="node-b", extravars=secrets)
-    assert res.ok(), res.stdout[-6000:]
-    notes = (host.root / "salvage" / "NOTES.md").read_text()
-    assert "**Verdict: the node can go.**" in notes and "not_running" in notes
-    assert "s3://salvage/role-node/node-b/main/" in notes  # the prefix names the node and the run
-    keys = {
-        o["Key"]
-        for o in client(rgw.endpoint_url).list_objects_v2(Bucket="salvage", Prefix="role-node/node-b/main/")[
-            "Contents"
-        ]
-    }
-    assert {
-        "role-node/node-b/main/MANIFEST.json",
-        "role-node/node-b/main/NOTES.md",
-        "role-node/node-b/main/run/events.jsonl",
-    } <= keys
-    assert not (host.root / ".salvage-aws-credentials").exists()
-    text = res.stdout + json.dumps(res.events, default=str)
-    assert TEST_SECRET_KEY not in text and TEST_ACCESS_KEY not in text
-    again = runner.run("salvage.yml", inv, limit="node-b", extravars=secrets)
-    assert again.ok() and again.changed("node-b") == 0, again.changed_tasks("node-b")

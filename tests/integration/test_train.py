@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -66,11 +67,24 @@ def final_weights(out_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(str(read_latest(out_dir) / "model.safetensors"))
 
 
-def test_loss_falls_and_the_stream_is_complete(tmp_path, tiny_target, tiny_data):
-    cfg = cfg_file(tmp_path, tiny_target, tiny_data, max_steps=40, checkpoint_every=10)
-    res = run_train(cfg)
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, tiny_target, tiny_data) -> Path:
+    """One 40-step run (checkpoints at 10..40, the last three kept) that several tests read or copy: each
+    `dflash train` process costs ~10 CPU-s before its first step (speculators' import alone ~6.5)."""
+    root = tmp_path_factory.mktemp("finished")
+    res = run_train(cfg_file(root, tiny_target, tiny_data, max_steps=40, checkpoint_every=10))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    out = tmp_path / "run"
+    return root / "run"
+
+
+def copy_of(run: Path, tmp_path: Path) -> Path:
+    """The finished run copied where cfg_file(tmp_path, ...) puts its out_dir, for a test that alters it."""
+    shutil.copytree(run, tmp_path / "run")
+    return tmp_path / "run"
+
+
+def test_loss_falls_and_the_stream_is_complete(finished_run):
+    out = finished_run
     steps = events_of(out, "step")
     assert [s["step"] for s in steps] == list(range(1, 41)), "steps count from 1 to max_steps"
     first = sum(s["loss"] for s in steps[:5]) / 5
@@ -101,12 +115,10 @@ def test_loss_falls_and_the_stream_is_complete(tmp_path, tiny_target, tiny_data)
         assert verify_checkpoint(c) == []
 
 
-def test_checkpoint_reloads_in_speculators(tmp_path, tiny_target, tiny_data):
-    cfg = cfg_file(tmp_path, tiny_target, tiny_data, max_steps=3, checkpoint_every=3)
-    assert run_train(cfg).returncode == 0
+def test_checkpoint_reloads_in_speculators(finished_run):
     from speculators import SpeculatorModel
 
-    folder = read_latest(tmp_path / "run")
+    folder = read_latest(finished_run)
     model = SpeculatorModel.from_pretrained(str(folder))
     assert type(model).__name__ == "DFlashDraftModel"
     assert model.config.aux_hidden_state_layer_ids == [1, 2] and model.config.block_size == 4
@@ -280,28 +292,25 @@ def test_a_stop_that_outlasts_stop_timeout_exits_3_with_a_warning(tmp_path, tiny
     assert events_of(out, "run_end") == [] and events_of(out, "checkpoint") == []
 
 
-def test_a_resume_whose_optimizer_state_is_empty_is_refused(tmp_path, tiny_target, tiny_data):
-    cfg = cfg_file(tmp_path, tiny_target, tiny_data, max_steps=2, checkpoint_every=2)
-    assert run_train(cfg).returncode == 0
-    out = tmp_path / "run"
+def test_a_resume_whose_optimizer_state_is_empty_is_refused(tmp_path, tiny_target, tiny_data, finished_run):
+    out = copy_of(finished_run, tmp_path)
     folder = read_latest(out)
     state = torch.load(folder / "trainer_state.pt", weights_only=False)
     state["optimizer"]["state"] = {}
     torch.save(state, folder / "trainer_state.pt")
     write_sums(folder)  # a checkpoint that verifies, but would restore no optimizer moment
-    again = cfg_file(tmp_path, tiny_target, tiny_data, max_steps=4, checkpoint_every=2)
+    again = cfg_file(tmp_path, tiny_target, tiny_data, max_steps=44, checkpoint_every=2)
     res = run_train(again)
     assert res.returncode == 1
     assert "optimizer state is empty: refusing a resume that restores nothing" in res.stderr
-    assert [e["step"] for e in events_of(out, "step")] == [1, 2], "nothing trained on a hollow resume"
+    steps = [e["step"] for e in events_of(out, "step")]
+    assert steps == list(range(1, 41)), "nothing trained on a hollow resume"
 
 
-def test_warm_start_weights_are_the_ones_training_starts_from(tmp_path, tiny_target, tiny_data):
+def test_warm_start_weights_are_the_ones_training_starts_from(tmp_path, tiny_target, tiny_data, finished_run):
     """drafter.warm_start is loaded, not only checked: one step at a negligible lr from a trained
     checkpoint ends next to that checkpoint's weights, far from where a fresh drafter starts."""
-    first = cfg_file(tmp_path, tiny_target, tiny_data, name="first", max_steps=6, checkpoint_every=6)
-    assert run_train(first).returncode == 0
-    source = read_latest(tmp_path / "first")
+    source = read_latest(finished_run)
     trained = load_file(str(source / "model.safetensors"))
     for name, warm in (("fresh", None), ("warm", str(source))):
         cfg = write_config(
@@ -357,12 +366,12 @@ def test_a_nonfinite_gradient_skips_the_update_and_too_many_stop_the_run(tmp_pat
     assert events_of(out, "checkpoint") == [], "no checkpoint of a broken state"
 
 
-def test_corrupt_newest_checkpoint_is_reported_and_previous_used(tmp_path, tiny_target, tiny_data):
-    cfg = cfg_file(tmp_path, tiny_target, tiny_data, max_steps=8, checkpoint_every=4)
-    out = tmp_path / "run"
-    assert run_train(cfg).returncode == 0
+def test_corrupt_newest_checkpoint_is_reported_and_previous_used(
+    tmp_path, tiny_target, tiny_data, finished_run
+):
+    out = copy_of(finished_run, tmp_path)
     newest = read_latest(out)
-    assert newest.name == "step-00000008"
+    assert newest.name == "step-00000040"
     with open(newest / "model.safetensors", "r+b") as fh:  # flip bytes in the payload
         fh.seek(-16, os.SEEK_END)
         fh.write(b"\x00" * 16)
@@ -372,13 +381,13 @@ def test_corrupt_newest_checkpoint_is_reported_and_previous_used(tmp_path, tiny_
             tiny_target,
             tiny_data,
             out,
-            train={**FAST, "max_steps": 10, "checkpoint_every": 4},
+            train={**FAST, "max_steps": 42, "checkpoint_every": 10},
         )
     )
     assert res.returncode == 0, res.stderr[-3000:]
     warns = [w for w in events_of(out, "warning") if w["kind"] == "corrupt_checkpoint"]
-    assert warns and "step-00000008/model.safetensors: sha256 differs" in warns[0]["message"]
-    assert events_of(out, "run_start")[-1]["resumed_from"] == "step-00000004"
+    assert warns and "step-00000040/model.safetensors: sha256 differs" in warns[0]["message"]
+    assert events_of(out, "run_start")[-1]["resumed_from"] == "step-00000030"
 
 
 def _broken_target(tmp_path, tiny_target, value: float) -> Path:
