@@ -4,7 +4,10 @@ argument specs that document every default."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -389,3 +392,38 @@ def test_the_role_hands_the_plan_the_run_config_and_no_knob_of_its_own():
     assert 'stdin: "{{ trainer_service_plan_config | to_nice_yaml' in tasks
     refuse = tasks.index("set trainer_service_target_config to a copy of it")
     assert refuse < tasks.index("Plan the layout") < tasks.index("Render the run config")
+
+
+def _tasks(node):
+    """Every task in a task file, blocks opened."""
+    for task in node or []:
+        yield task
+        for key in ("block", "rescue", "always"):
+            yield from _tasks(task.get(key))
+
+
+def test_nothing_is_compressed_on_its_way_to_a_node():
+    """What travels (wheels, safetensors, tokenized data) is compressed already or barely compresses: the
+    SSH transport (ansible.cfg's ssh_args, as ansible reads it) has no -C, and every synchronize task says
+    what it does about rsync's own compression, which is off by default."""
+    dump = subprocess.run(
+        [str(Path(sys.executable).parent / "ansible-config"), "dump", "-t", "connection", "--only-changed"],
+        cwd=REPO,
+        env={**os.environ, "ANSIBLE_CONFIG": str(REPO / "ansible.cfg")},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    ssh_args = re.search(r"^ssh_args\(\S*ansible\.cfg\) = (.*)$", dump, re.M)
+    assert ssh_args, dump
+    assert "-C" not in ssh_args.group(1).split() and "ControlPersist=60s" in ssh_args.group(1)
+    syncs = []
+    for path in ROLES.glob("*/tasks/*.yml"):
+        for task in _tasks(load(path)):
+            if "ansible.posix.synchronize" in task:
+                syncs.append((path.parent.parent.name, task["name"], task["ansible.posix.synchronize"]))
+    assert len(syncs) >= 4, syncs
+    for role, name, args in syncs:
+        compress = args.get("compress")
+        assert compress is False or compress == "{{ data_sync_compress }}", (role, name, compress)
+    assert load(ROLES / "data_sync" / "defaults" / "main.yml")["data_sync_compress"] is False
