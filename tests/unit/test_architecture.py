@@ -49,6 +49,7 @@ LIGHT = (
     "trainer.regenerate.chat_input",
     "trainer.eval.options",
     "trainer.eval.record",
+    "trainer.eval.lossless",
     "trainer.training.eval_config",
     "trainer.training.evaluation",
     "trainer.eval.training_meta",

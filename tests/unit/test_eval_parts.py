@@ -209,3 +209,62 @@ def test_cli_parses_the_eval_export_and_regenerate_verbs():
     assert args.engine == "both" and args.served_tolerance == 0.1
     args = build_parser().parse_args(["export", "--checkpoint", "c", "--out", "o", "--dtype", "bfloat16"])
     assert args.dtype == "bfloat16"
+
+
+def reference(rows: list[list[float]], eps: float = 2.0**-7):
+    """A GreedyReference from whole logit rows (bf16's eps by default): its greedy tokens, top 8."""
+    from trainer.eval.lossless import TOP_K, GreedyReference
+
+    order = [sorted(range(len(r)), key=lambda i: (-r[i], i))[:TOP_K] for r in rows]
+    return GreedyReference(
+        tokens=[o[0] for o in order],
+        seconds=1.0,
+        top_ids=order,
+        top_logits=[[r[i] for i in o] for r, o in zip(rows, order)],
+        scales=[max(abs(x) for x in r) for r in rows],
+        dtype="bfloat16",
+        eps=eps,
+    )
+
+
+def test_lossless_classification_of_crafted_logits():
+    """tolerance = 8 x eps x max|logit|: with bf16's eps and a top logit of 20, 1.25 logits."""
+    from trainer.eval.lossless import classify, summarise, tolerance
+
+    flat = [0.0] * 12
+    rows = [
+        [20.0, 3.0, *flat[2:]],  # position 0: token 0, a clear choice
+        [1.0, 20.0, 19.5, *flat[3:]],  # position 1: 1 over 2 by 0.5 (< 1.25): a near tie
+        [1.0, 20.0, 17.0, *flat[3:]],  # position 2: 1 over 2 by 3.0 (> 1.25): no tie
+        [0.0, 20.0, *[float(10 - i) for i in range(10)]],  # position 3: token 11 ranks 10th
+    ]
+    ref = reference(rows)
+    assert ref.tokens == [0, 1, 1, 1] and tolerance(ref, 1) == pytest.approx(1.25)
+    assert classify([0, 1, 1, 1], [0, 1, 1, 1], ref)["status"] == "exact"
+    near = classify([0, 2, 5, 5], [0, 2, 5, 5], ref)  # parted at the tie: the rest is not compared
+    assert near["status"] == "near-tie" and near["position"] == near["compared_tokens"] == 1
+    assert (
+        near["gap"] == pytest.approx(0.5) and near["reference_token"] == 1 and near["speculative_token"] == 2
+    )
+    far = classify([0, 1, 2, 1], [0, 1, 2, 1], ref)
+    assert far["status"] == "mismatch" and far["gap"] == pytest.approx(3.0) and "> tolerance" in far["detail"]
+    # a token below the reference's top 8: its gap is at least top-1 - top-8
+    low = classify([0, 1, 1, 11], [0, 1, 1, 11], ref)
+    assert (
+        low["status"] == "mismatch" and low["gap"] == pytest.approx(20.0 - 4.0) and "top 8" in low["detail"]
+    )
+    # a committed token the verify forward did not choose fails even where the gap is a tie's
+    lied = classify([0, 2, 5, 5], [0, 1, 5, 5], ref)
+    assert lied["status"] == "mismatch" and "its verify forward chose 1" in lied["detail"]
+    assert classify([0, 1, 1, 1], [0, 1], ref)["status"] == "mismatch"  # unrecorded choices
+    assert classify([0, 1, 1, 1], None, ref)["status"] == "exact"  # not recorded at all: tokens alone
+    assert classify([0, 1], [0, 1], ref)["status"] == "mismatch"  # one output ends early
+    # in fp32 the same 0.5 gap is far above the tolerance (8 x 1.2e-7 x 20 ~ 2e-5)
+    fp32 = reference(rows, eps=2.0**-23)
+    assert classify([0, 2, 5, 5], [0, 2, 5, 5], fp32)["status"] == "mismatch"
+    ll = summarise({0: classify([0, 1, 1, 1], None, ref), 1: near, 2: far}, ref)
+    assert (ll["checked"], ll["matched"], len(ll["near_ties"]), ll["ok"]) == (3, 1, 1, False)
+    assert [m["prompt"] for m in ll["mismatches"]] == [2] and ll["mismatches"][0]["first_difference_at"] == 2
+    assert ll["near_ties"][0]["prompt"] == 1 and ll["tolerance"]["ulps"] == 8
+    assert ll["compared_tokens"] == 4 + 1 + 2
+    assert summarise({0: near}, ref)["ok"] is True and summarise({}, None)["ok"] is None

@@ -5,6 +5,7 @@ sees it (z-lab's procedure: greedy, KV caches, one target forward verifies a blo
 - models.py: the target as a causal LM with aux-layer hooks, the drafter loaded for inference;
 - harness.py: the cached speculative-decoding loop (what `dflash eval` runs);
 - reference.py: an independent loop without caches (`--reference`) that must agree exactly;
+- lossless.py: the lossless check (exact, a near tie in bf16, or a mismatch; light);
 - report.py: report.json, the markdown summary, the plots, the side-by-side comparison;
 - options.py: `dflash eval`'s options and the checks on them (light);
 - checkpoint_eval.py: one checkpoint through the harness (tau, lossless check, trees, the report's

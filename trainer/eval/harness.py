@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from trainer.eval.lossless import TOP_K, GreedyReference
 from trainer.eval.models import HookedTarget, crop_cache
 
 
@@ -37,6 +38,7 @@ class PromptResult:
     wall_s: float = 0.0
     stopped: str = "length"  # length | stop_token
     tree_nodes: list[int] = field(default_factory=list)  # per round, tree verification only
+    verified: list[int] = field(default_factory=list)  # the verify forward's own choice per committed token
 
     @property
     def rounds(self) -> int:
@@ -158,6 +160,7 @@ def speculate(
     ids = torch.tensor([prompt], dtype=torch.long, device=dev)
     greedy, feats, tcache = target.forward(ids)
     tokens = [int(greedy[-1])]
+    verified = list(tokens)  # the lossless check's record: what the verifier chose at each position
     pending = feats  # features of positions not yet in the drafter's context
     draft = CachedDrafter(drafter, block_size)
     accepted: list[int] = []
@@ -171,26 +174,53 @@ def speculate(
         acc = accepted_count(drafts, pred, block_size)
         accepted.append(acc)
         tokens.extend(drafts[:acc] + [pred[acc]])
+        verified.extend(pred[: acc + 1])
         pending = feats[:, : acc + 1]  # anchor + accepted drafts: positions n..n+acc
         n += acc + 1
         crop_cache(tcache, n)
     out, why = finish_generation(tokens, max_new, stop_ids)
-    return PromptResult(len(prompt), out, accepted, time.perf_counter() - t0, why)
+    return PromptResult(len(prompt), out, accepted, time.perf_counter() - t0, why, verified=verified)
 
 
 @torch.no_grad()
-def target_greedy(
+def greedy_reference(
     target: HookedTarget, prompt: list[int], max_new: int, stop_ids: set[int] = frozenset()
-) -> tuple[list[int], float]:
+) -> GreedyReference:
     """The target's own greedy decoding, one token per forward on its KV cache: the lossless check's
-    ground truth and the speed baseline. Returns (tokens, seconds)."""
+    ground truth and the speed baseline, with each position's top logits (trainer/eval/lossless.py)."""
     t0 = time.perf_counter()
     ids = torch.tensor([prompt], dtype=torch.long, device=target.device)
     out = target.model(input_ids=ids, use_cache=True)
-    tokens = [int(out.logits[0, -1].argmax())]
+    tops, scales = [], []
+
+    def pick(row: torch.Tensor) -> int:  # the greedy token; its top logits kept on the device till the end
+        row = row.float()
+        tops.append(row.topk(min(TOP_K, row.shape[-1])))
+        scales.append(row.abs().max())
+        return int(row.argmax())
+
+    tokens = [pick(out.logits[0, -1])]
     while not generation_done(tokens, max_new, stop_ids):
         nxt = torch.tensor([[tokens[-1]]], dtype=torch.long, device=target.device)
         out = target.model(input_ids=nxt, past_key_values=out.past_key_values, use_cache=True)
-        tokens.append(int(out.logits[0, -1].argmax()))
+        tokens.append(pick(out.logits[0, -1]))
     tokens, _ = finish_generation(tokens, max_new, stop_ids)
-    return tokens, time.perf_counter() - t0
+    secs = time.perf_counter() - t0
+    dtype = target.model.dtype
+    return GreedyReference(
+        tokens,
+        secs,
+        torch.stack([t.indices for t in tops]).tolist(),
+        torch.stack([t.values for t in tops]).tolist(),
+        torch.stack(scales).tolist(),
+        str(dtype).removeprefix("torch."),
+        torch.finfo(dtype).eps,
+    )
+
+
+def target_greedy(
+    target: HookedTarget, prompt: list[int], max_new: int, stop_ids: set[int] = frozenset()
+) -> tuple[list[int], float]:
+    """(tokens, seconds) of `greedy_reference`."""
+    ref = greedy_reference(target, prompt, max_new, stop_ids)
+    return ref.tokens, ref.seconds

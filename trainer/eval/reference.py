@@ -112,6 +112,7 @@ def speculate_reference(
     t0 = time.perf_counter()
     greedy, _ = target.run(prompt)
     seq = list(prompt) + [greedy[-1]]
+    verified = [greedy[-1]]  # the verify forward's own choice at each committed position
     accepted: list[int] = []
     while not generation_done(seq[len(prompt) :], max_new, stop_ids):
         anchor_pos = len(seq) - 1
@@ -122,5 +123,6 @@ def speculate_reference(
         acc = accepted_count(drafts, verdict, block_size)
         accepted.append(acc)
         seq += drafts[:acc] + [verdict[acc]]
+        verified += verdict[: acc + 1]
     out, why = finish_generation(seq[len(prompt) :], max_new, stop_ids)
-    return PromptResult(len(prompt), out, accepted, time.perf_counter() - t0, why)
+    return PromptResult(len(prompt), out, accepted, time.perf_counter() - t0, why, verified=verified)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.eval.harness import PromptResult
+from trainer.eval.lossless import verdict_text
 from trainer.fsutil import atomic_write_bytes, atomic_write_text
 
 REPORT_SCHEMA_VERSION = 1
@@ -37,7 +38,9 @@ def aggregate(results: list[PromptResult], block_size: int) -> dict[str, Any]:
     }
 
 
-def per_prompt(results: list[PromptResult], lossless: dict[int, bool]) -> list[dict[str, Any]]:
+def per_prompt(results: list[PromptResult], verdicts: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per prompt figures; `lossless`: True (exact, or a near tie), False (a mismatch) or None (not
+    checked), `lossless_status` and, unless exact, `lossless_check` (trainer/eval/lossless.py)."""
     return [
         {
             "index": i,
@@ -48,7 +51,9 @@ def per_prompt(results: list[PromptResult], lossless: dict[int, bool]) -> list[d
             "accepted": r.accepted,
             "stopped": r.stopped,
             "wall_s": round(r.wall_s, 4),
-            "lossless": lossless.get(i),
+            "lossless": None if i not in verdicts else verdicts[i]["status"] != "mismatch",
+            "lossless_status": verdicts[i]["status"] if i in verdicts else None,
+            **({"lossless_check": verdicts[i]} if i in verdicts and verdicts[i]["status"] != "exact" else {}),
             "tokens": r.tokens,
         }
         for i, r in enumerate(results)
@@ -65,7 +70,6 @@ def fmt_number(x: Any, nd: int = 3) -> str:
 
 def render_markdown(rep: dict[str, Any], png_name: str | None) -> str:
     ll = rep["lossless"]
-    verdict = "not checked" if not ll["checked"] else ("ok" if ll["ok"] else "MISMATCH")
     lines = [
         f"# Drafter evaluation: {rep['label']}",
         "",
@@ -80,11 +84,12 @@ def render_markdown(rep: dict[str, Any], png_name: str | None) -> str:
         (
             f"| **{fmt_number(rep['tau'])}** | {rep['rounds']} | {rep['new_tokens']} | "
             f"{fmt_number(rep['tokens_per_s'], 1)} | "
-            f"{fmt_number(ll.get('target_tokens_per_s'), 1)} | {fmt_number(rep['wall_s'], 1)} | {verdict} "
-            f"({ll['matched']}/{ll['checked']}) |"
+            f"{fmt_number(ll.get('target_tokens_per_s'), 1)} | {fmt_number(rep['wall_s'], 1)} | "
+            f"{verdict_text(ll)} |"
         ),
         "",
     ]
+    lines += render_near_ties(rep)
     for w in rep["warnings"]:
         lines.append(f"> **warning**: {w}")
     if rep["warnings"]:
@@ -118,12 +123,32 @@ def render_markdown(rep: dict[str, Any], png_name: str | None) -> str:
     ]
     for p in rep["per_prompt"][:200]:
         mark = {True: "ok", False: "MISMATCH", None: "-"}[p["lossless"]]
+        check = p.get("lossless_check")
+        if check:
+            mark = f"{'near-tie' if p['lossless'] else 'MISMATCH'}: {check['detail']}"
         lines.append(
             f"| {p['index']} | {p['prompt_tokens']} | {p['new_tokens']} | {p['rounds']} | "
             f"{fmt_number(p['tau'])} | "
             f"{p['stopped']} | {mark} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def render_near_ties(rep: dict[str, Any]) -> list[str]:
+    """A line on the near ties of the lossless check (chain and trees), when there are any."""
+    checks = [rep["lossless"]] + [t["lossless"] for t in rep.get("trees") or []]
+    near = sum(len(ll.get("near_ties") or []) for ll in checks)
+    if not near:
+        return []
+    tol = rep["lossless"].get("tolerance") or {}
+    return [
+        f"Lossless: {near} checked output(s) left the target's one-token greedy decoding at a near tie "
+        f"(the reference's top-logit gap to the committed token within {fmt_number(tol.get('ulps'), 0)} "
+        f"x eps x max|logit|, {tol.get('dtype')}), each committed token being its verify forward's own "
+        "choice: not a failure. The comparison of such a prompt stops at that token (the texts differ "
+        "after it).",
+        "",
+    ]
 
 
 def render_trees(rep: dict[str, Any]) -> list[str]:
@@ -145,11 +170,9 @@ def render_trees(rep: dict[str, Any]) -> list[str]:
         + " |",
     ]
     for t in trees:
-        ll = t["lossless"]
-        verdict = "not checked" if not ll["checked"] else ("ok" if ll["ok"] else "MISMATCH")
         lines.append(
             f"| {t['budget']} | **{fmt_number(t['tau'])}** | {fmt_number(t['tau_over_chain'], 2)} | "
-            f"{fmt_number(t['target_tokens_per_round'], 1)} | {verdict} ({ll['matched']}/{ll['checked']}) | "
+            f"{fmt_number(t['target_tokens_per_round'], 1)} | {verdict_text(t['lossless'])} | "
             + " | ".join(fmt_number(p, 2) for p in t["per_depth_acceptance"])
             + " |"
         )

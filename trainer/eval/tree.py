@@ -142,6 +142,7 @@ def speculate_tree(
     ids = torch.tensor([prompt], dtype=torch.long, device=dev)
     greedy, feats, tcache = target.forward(ids)
     tokens = [int(greedy[-1])]
+    verified = list(tokens)  # the verify forward's own choice at each committed position
     pending = feats
     draft = CachedDrafter(drafter, block_size)
     accepted: list[int] = []
@@ -165,10 +166,13 @@ def speculate_tree(
         accepted.append(len(path))
         sizes.append(len(nodes))
         tokens.extend([node_tokens[i] for i in path] + [pred[last]])
+        verified.extend([pred[0]] + [pred[1 + i] for i in path])
         keep = [0] + [1 + i for i in path]
         keep_cache_positions(tcache, n, keep)
         pending = feats[:, keep]
         n += len(path) + 1
         crop_cache(tcache, n)
     out, why = finish_generation(tokens, max_new, stop_ids)
-    return PromptResult(len(prompt), out, accepted, time.perf_counter() - t0, why, tree_nodes=sizes)
+    return PromptResult(
+        len(prompt), out, accepted, time.perf_counter() - t0, why, tree_nodes=sizes, verified=verified
+    )
