@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from trainer.layout.inference import plan_inference, resolve_engine_tp, resolve_harness
-from trainer.layout.recipe import PlanError, read_target
+from trainer.layout.inference import plan_harness, plan_inference, resolve_engine_tp, resolve_harness
+from trainer.layout.recipe import PlanError, Recipe, read_target
 
 ROOT = Path(__file__).resolve().parents[2]
 Q32 = ROOT / "tests" / "fixtures" / "targets" / "qwen3-32b"  # Qwen3-32B's published config (64 heads, 8 KV)
@@ -32,6 +32,56 @@ def test_qwen3_32b_on_8_a100_40gb_gets_tp_4_and_a_harness_over_2_gpus():
     mib = int(h["max_memory_gib"][0] * 1024)
     assert placed["gpus"] == 2
     assert placed["load_kwargs"] == {"device_map": "auto", "max_memory": {0: f"{mib}MiB", 1: f"{mib}MiB"}}
+
+
+def _drafter_folder(tmp_path, layers: int) -> Path:
+    """A Qwen3-32B drafter's config.json as speculators writes it (the weights are not read)."""
+    tl = json.loads((Q32 / "config.json").read_text())
+    folder = tmp_path / f"drafter-{layers}"
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(
+        json.dumps(
+            {
+                "speculators_model_type": "dflash",
+                "block_size": 16,
+                "aux_hidden_state_layer_ids": [2, 18, 34, 50, 62],
+                "draft_vocab_size": tl["vocab_size"],
+                "transformer_layer_config": {**tl, "num_hidden_layers": layers},
+            }
+        )
+    )
+    return folder
+
+
+def test_the_harness_counts_the_drafter_eval_loads_on_gpu_0(tmp_path):
+    """Issue 46 item 6: a Qwen3-32B drafter on 2 x A100-40GB ran out of memory where the plan said ~34.9 of
+    36.8 GiB. The drafter (fp32: two vocab x hidden matrices and its layers, ~8.1 GiB for one layer, its
+    working set ~1 GiB) sits on GPU 0: 2 GPUs no longer fit, 3 do, GPU 0's max_memory is lowered by it."""
+    t = read_target(Q32)
+    r = Recipe(draft_layers=1, n_aux=5, block=16, anchors=512, tokens=8192, optimizer="adamw")
+    bare = plan_harness(t, 40.0, 8)
+    h = plan_inference(t, 40.0, 8, r)["harness"]
+    assert bare["gpus"] == 2 and bare["per_gpu_gib"] == 34.9, "the old figure, without the drafter"
+    assert h["gpus"] == 3 and h["fits"] and 8.0 < h["drafter"]["weights_gib"] < 8.3
+    two = plan_harness(t, 40.0, 8, gpus=2, drafter=_drafter(t, r))
+    assert not two["fits"], "2 GPUs with the drafter on GPU 0: the out-of-memory of the issue"
+    # dflash eval plans the same from the drafter folder it is given (the largest of several)
+    placed = resolve_harness(Q32, None, "cuda", A100_40, [_drafter_folder(tmp_path, 1)])
+    caps = placed["load_kwargs"]["max_memory"]
+    assert placed["gpus"] == 3 and int(caps[0][:-3]) < int(caps[1][:-3])
+    both = [_drafter_folder(tmp_path, 1), _drafter_folder(tmp_path, 5)]
+    five = resolve_harness(Q32, None, "cuda", A100_40, both)
+    assert five["gpus"] == 3 and "the drafter 16." in five["reason"]
+    # refused with the fix when the GPUs this process sees cannot hold target and drafter
+    with pytest.raises(PlanError, match=r"drafter .*fp32, on GPU 0.*--engine vllm"):
+        resolve_harness(Q32, None, "cuda", (2, 40.0), [_drafter_folder(tmp_path, 1)])
+
+
+def _drafter(t, r):
+    from trainer.layout.eval_memory import eval_drafter
+    from trainer.layout.recipe import shapes
+
+    return eval_drafter(shapes(t, r), 4096, r.block)
 
 
 def test_an_8b_target_stays_on_one_gpu_in_both():
@@ -71,7 +121,10 @@ def test_dflash_plan_reports_it_as_docs_hardware_prints_it(capsys):
     args = ["plan", "--target-config", str(Q32), "--gpu", "A100-40GB", "--gpu-count", "8"]
     assert main([*args, "--json"]) == 0
     p = json.loads(capsys.readouterr().out)
-    assert p["inference"]["engine"]["tensor_parallel_size"] == 4 and p["inference"]["harness"]["gpus"] == 2
+    h = p["inference"]["harness"]
+    assert p["inference"]["engine"]["tensor_parallel_size"] == 4 and h["gpus"] == 3, "the drafter takes room"
+    assert h["drafter"]["gpu"] == 0 and h["drafter"]["dtype"] == "float32" and h["drafter"]["layers"] == 1
+    assert h["max_memory_gib"]["0"] < h["max_memory_gib"]["1"], "GPU 0 keeps room for the drafter"
     assert p["assumptions"]["offline_engine_gpu_memory_utilization"] == 0.92
     assert main(args) == 0
     lines = capsys.readouterr().out.splitlines()

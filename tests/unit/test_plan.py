@@ -479,3 +479,60 @@ def test_a_32b_target_gets_the_shard_level_it_was_planned_with_or_is_refused(tmp
     assert r.returncode == 2, r.stderr
     assert "no layout fits" in r.stderr and "train.shard optimizer" in r.stderr and "DOES NOT FIT" in r.stderr
     assert json.loads(r.stdout)["apply"] == {}
+
+
+def _eval_run(tmp_path, target: Path, aux: list[int], **eval_keys) -> Path:
+    """The seeds' run config on another target, one draft layer, with an `eval:` section."""
+    raw = yaml.safe_load(SEEDS_RUN.read_text())
+    raw["target"] = {"path": str(target)}
+    raw["drafter"] = {**raw["drafter"], "num_layers": 1, "aux_layer_ids": aux, "mask_token_id": 151669}
+    raw["train"] = {**raw["train"], "loss_chunk_rows": 0, "activation_checkpointing": False,
+                    "max_tokens_per_batch": 8192}  # fmt: skip
+    raw["eval"] = {"prompts": "mt-bench", **eval_keys}
+    path = tmp_path / f"run-{len(list(tmp_path.glob('run-*')))}.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def test_the_eval_child_is_placed_and_counted(tmp_path):
+    """Issue 46 item 7: Qwen3-32B on 8 x A100-40GB trains 4 per copy, DP 2 on every GPU; the `eval:` child
+    (a second target and the fp32 drafter) fits nowhere beside it. The plan keeps the last 3 GPUs for it
+    (the harness with the drafter needs 3), trains on the other 5 (5 per copy, DP 1) and writes
+    eval.device under `apply`; pinned to `trainer` it is refused (exit 2) with the choices named; pinned
+    to the last GPUs it is counted as given; GPUs the trainer takes are refused."""
+    q32 = FIX / "targets" / "qwen3-32b"
+    gpus = ("--gpu", "A100-40GB", "--gpu-count", 8)
+    aux = [2, 18, 34, 50, 62]
+    p = plan_in_process("--config", _eval_run(tmp_path, q32, aux), *gpus)
+    c = p["eval_child"]
+    assert c["fits"] and c["device"] == "cuda:5,6,7" and c["gpus"] == [5, 6, 7]
+    assert p["apply"]["eval"] == {"device": "cuda:5,6,7"}
+    assert (p["gpus_per_copy"], p["data_parallel"]) == (5, 1) and p["fits"]
+    assert "the drafter 9.1 GiB on GPU 0" in c["reason"]
+    # the text the docs print
+    r = run_plan("--config", _eval_run(tmp_path, q32, aux), *gpus)
+    assert r.returncode == 0, r.stderr
+    shown = [
+        line for line in r.stdout.splitlines() if line.startswith(("layout", "apply")) or "eval: (" in line
+    ]
+    assert len(shown) == 3 and set(shown) <= doc_lines("hardware.md"), "docs/hardware.md is stale"
+    # eval.device trainer, set by hand: refused, the choices named
+    r = run_plan("--config", _eval_run(tmp_path, q32, aux, device="trainer"), *gpus, "--json")
+    assert r.returncode == 2
+    assert "the evaluation while training (eval:) has no place" in r.stderr
+    assert "eval.device: cuda:5,6,7 (the last 3 GPU(s); training on 5" in r.stderr
+    assert "eval.device: cpu" in r.stderr and "no eval: section" in r.stderr
+    # the last three, by hand: counted, nothing to apply; the first three: the trainer's
+    p = plan_in_process("--config", _eval_run(tmp_path, q32, aux, device="cuda:5,6,7"), *gpus)
+    assert p["eval_child"]["fits"] and "eval" not in p["apply"] and p["data_parallel"] == 1
+    r = run_plan("--config", _eval_run(tmp_path, q32, aux, device="cuda:0,1,2"), *gpus)
+    assert r.returncode == 2 and "must be the node's last 3 of 8: cuda:5,6,7" in r.stderr
+    # two GPUs do not hold the harness with the drafter
+    r = run_plan("--config", _eval_run(tmp_path, q32, aux, device="cuda:6,7"), *gpus)
+    assert r.returncode == 2 and "2 GPU(s) do not hold the harness" in r.stderr
+    # an 8B target: beside rank 0 on its 80 GB GPU, all 8 GPUs train
+    q8 = FIX.parents[1] / "examples" / "qwen3-8b" / "target"
+    p = plan_in_process(
+        "--config", _eval_run(tmp_path, q8, [1, 9, 17, 25, 33]), "--gpu", "H100-80GB", "--gpu-count", 8
+    )
+    assert p["eval_child"]["device"] == "trainer" and p["data_parallel"] == 8 and "eval" not in p["apply"]

@@ -816,3 +816,49 @@ def test_a_large_enough_dev_shm_passes_and_is_reported(make_config, tmp_path):
     report = PreflightReport()
     shm_gate(cfg, None, report, shm=tmp_path, cpu=True)  # this machine's disk: gigabytes free
     assert report.ok and report.machine["shm"]["free_mib"] > report.machine["shm"]["need_mib"]
+
+
+# ---------------------------------------------------------------- the eval: child (issue 46)
+
+
+def test_the_eval_child_is_counted_on_the_gpus_it_names(make_config, monkeypatch):
+    """Preflight counts the `eval:` child with the plan's arithmetic on the GPUs this node has (given
+    here: no GPU runs in this suite): GPUs too small for the harness, GPUs the run's own ranks take
+    or that the node lacks are refused; rank 0's GPU must hold the trainer and the harness together."""
+    from trainer.preflight import evaluation
+
+    gib = 2**30
+    monkeypatch.setattr(evaluation, "visible_gpu_memory", lambda: [16 * gib] * 4)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    prompts = {"prompts": "mt-bench"}
+    monkeypatch.setattr(evaluation, "_prompt_set", lambda cfg, report: None)
+    ok = preflight(make_config, eval={**prompts, "device": "cuda:2,3"})
+    assert not [p for p in ok.errors if p.code.startswith("eval.")], ok.render_text()
+    assert ok.machine["evaluation"]["device"] == "cuda:2,3"
+    assert_problem(preflight(make_config, eval={**prompts, "device": "cuda:0,3"}), "eval.gpus", "[0]", "own")
+    assert_problem(
+        preflight(make_config, eval={**prompts, "device": "cuda:7"}), "eval.gpus", "not on this node"
+    )
+    assert not [p for p in preflight(make_config, eval=prompts).errors if p.code.startswith("eval.")]
+    # 1 GiB GPUs: the harness's CUDA reserve alone fills 92 % of one
+    monkeypatch.setattr(evaluation, "visible_gpu_memory", lambda: [1 * gib] * 4)
+    assert_problem(
+        preflight(make_config, eval={**prompts, "device": "cuda:3"}), "eval.no_room", "dflash plan"
+    )
+    assert_problem(preflight(make_config, eval=prompts), "eval.no_room", "rank 0's GPU", "eval.device: cpu")
+    # no GPU here: said, not refused
+    monkeypatch.setattr(evaluation, "visible_gpu_memory", lambda: [])
+    assert "skipped" in preflight(make_config, eval={**prompts, "device": "cuda:3"}).machine["evaluation"]
+
+
+def test_a_named_set_missing_from_the_services_cache_is_a_warning(make_config, monkeypatch, tmp_path):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    from trainer.eval import benchmarks
+
+    benchmarks.fetch.cache_clear()
+    report = preflight(make_config, eval={"prompts": "math500", "device": "cpu"})
+    assert_problem(report, "eval.prompt_set_missing", "hf download HuggingFaceH4/MATH-500", warning=True)
+    benchmarks.fetch.cache_clear()

@@ -163,10 +163,13 @@ def aux_ids_of(folder: Path) -> list[int]:
 
 def load_drafter(folder: Path, target_dir: Path, device: torch.device):
     """The drafter of a speculators folder (see speculators_folder) for inference: fp32 on
-    `device`, sdpa attention, embedding/heads/final norm read from `target_dir`."""
+    `device`, sdpa attention, embedding/heads/final norm read from `target_dir`. With the whole
+    vocabulary lm_head and verifier_lm_head hold the same target head: one tensor serves both
+    (`share_frozen_head`, the same values: nothing the harness computes changes), so the device
+    holds two vocab x hidden fp32 matrices, not three (trainer/layout/eval_memory.py counts them)."""
     from speculators.models.dflash import DFlashSpeculatorConfig
 
-    from trainer.drafter import load_sdpa_drafter
+    from trainer.drafter import load_sdpa_drafter, share_frozen_head
 
     logging.getLogger("speculators").setLevel(logging.WARNING)
     folder = Path(folder)
@@ -174,6 +177,7 @@ def load_drafter(folder: Path, target_dir: Path, device: torch.device):
     _check_pair(config, folder, Path(target_dir))
     config.speculators_config.verifier.name_or_path = str(target_dir)
     model = load_sdpa_drafter(folder, config)
+    share_frozen_head(model)  # before the move: the device never holds the second copy
     return model.float().to(device).eval().requires_grad_(False)
 
 

@@ -22,9 +22,10 @@ from trainer.eval.served_report import attach_served, served_acceptance, served_
 __all__ = ["ENGINES", "EvalOptions", "run_eval"]
 
 
-def place_target(opts: EvalOptions, device) -> tuple[int, dict]:
+def place_target(opts: EvalOptions, device, drafters: list[Path] | None = None) -> tuple[int, dict]:
     """vLLM's tensor-parallel size and the harness's placement (trainer/layout/inference.py: the plan's
-    choice on the GPUs this process sees, or the flags'), said on stderr when more than one GPU."""
+    choice on the GPUs this process sees, or the flags', counting the largest of `drafters` on GPU 0),
+    said on stderr when more than one GPU."""
     from trainer.layout.inference import resolve_engine_tp, resolve_harness
 
     on_gpu = device.type == "cuda"
@@ -35,7 +36,7 @@ def place_target(opts: EvalOptions, device) -> tuple[int, dict]:
         if tp > 1:
             print(f"dflash eval: vLLM shards the target over {tp} GPUs ({why})", file=sys.stderr)
     if opts.engine != "vllm":
-        placement = resolve_harness(opts.target, opts.harness_gpus, device.type)
+        placement = resolve_harness(opts.target, opts.harness_gpus, device.type, drafters=drafters)
         if placement["gpus"] > 1:
             print(
                 f"dflash eval: the harness spreads the target over {placement['gpus']} GPUs "
@@ -70,7 +71,8 @@ def run_eval(opts: EvalOptions) -> int:
 
         import_vllm(f"--engine {opts.engine}", ServedError)  # before any model loads
     device = resolve_device(opts.device)
-    tp, placement = place_target(opts, device)  # refuses a size the GPUs or the heads cannot take
+    # refuses a size the GPUs or the heads cannot take, or GPUs that cannot hold target and drafter
+    tp, placement = place_target(opts, device, [resolve_drafter_dir(d) for d in opts.drafters])
     out.parent.mkdir(parents=True, exist_ok=True)
     tok = P.load_tokenizer(opts.target)
     settings = P.resolve_settings(tok, opts.chat_template, opts.thinking)

@@ -25,14 +25,17 @@ import math
 from pathlib import Path
 from typing import Any
 
+from trainer.layout.eval_memory import device_map_fill, drafter_shapes, eval_drafter
 from trainer.layout.recipe import (
     ASSUMPTIONS,
     DTYPE_BYTES,
     GIB,
     PlanError,
+    Recipe,
     TargetShape,
     is_thin,
     read_target,
+    shapes,
 )
 from trainer.layout.split import tp_divides, vllm_gpu_bytes
 
@@ -102,52 +105,129 @@ def harness_working_bytes(t: TargetShape, tokens: int) -> float:
     )
 
 
-def plan_harness(t: TargetShape, memory_gib: float, count: int, gpus: int | None = None) -> dict[str, Any]:
+def target_units(t: TargetShape) -> list[int]:
+    """The target's bytes as `device_map` places them, unit by unit in load order: the embedding, each
+    decoder layer (a no-split module), the final norm, the lm_head (none when tied)."""
+    wb = DTYPE_BYTES[t.dtype]
+    embed = t.vocab * t.hidden
+    rest = max(0, t.params - embed * (1 if t.tied else 2) - t.hidden)
+    units = [embed * wb] + [rest // t.layers * wb] * t.layers + [t.hidden * wb]
+    return units + ([] if t.tied else [embed * wb])
+
+
+def plan_harness(
+    t: TargetShape,
+    memory_gib: float,
+    count: int,
+    gpus: int | None = None,
+    drafter: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """The harness's target on one GPU, or spread by `device_map` over the fewest GPUs that hold it
-    (`gpus`: that many, set by hand)."""
+    (`gpus`: that many, set by hand), with the drafter (trainer/layout/eval_memory.py `eval_drafter`:
+    fp32 weights and its working set) on the first GPU, whose `max_memory` is lowered by that much."""
     tokens = ASSUMPTIONS["inference_tokens_per_sequence"]
     budget = memory_gib * GIB * ASSUMPTIONS["usable_share"]
     weights = t.params * DTYPE_BYTES[t.dtype]
     kv = tokens * kv_bytes_per_token(t)
     working = harness_working_bytes(t, tokens)
+    d = (drafter["drafter_weights"] + drafter["drafter_working"]) if drafter else 0
+    drafter_part = {} if not drafter else {"drafter": _drafter_summary(drafter)}
     if count < 1:
         return {"gpus": 0, "device_map": None, "max_memory_gib": None, "fits": True, "per_gpu_gib": None,
-                "reason": "no GPU: the harness runs on the CPU"}  # fmt: skip
+                "reason": "no GPU: the harness runs on the CPU", **drafter_part}  # fmt: skip
+    units = target_units(t)
     sizes = [gpus] if gpus else list(range(1, count + 1))
-    needs = {n: (weights + kv) / n + working for n in sizes}
-    # the fewest GPUs outside the thin margin, else the fewest that fit at all
+    layouts = {n: _spread(units, n, budget, working, kv, d) for n in sizes}
+    needs = {n: max(lay["needs"]) if lay else float("inf") for n, lay in layouts.items()}
     roomy = [n for n in sizes if needs[n] <= budget and not is_thin(needs[n], budget)]
-    for n in roomy[:1] or sizes:
-        need = needs[n]
-        if need <= budget or gpus:
-            share = round((budget - working - kv / n) / GIB, 2)
-            return {
-                "gpus": n,
-                "device_map": "auto" if n > 1 else None,
-                "max_memory_gib": {i: share for i in range(n)} if n > 1 else None,
-                "fits": need <= budget,
-                "per_gpu_gib": round(need / GIB, 1),
-                "reason": (
-                    f"{weights / GIB:.1f} GiB of weights + {kv / GIB:.1f} GiB KV cache "
-                    f"({tokens} tokens) over {n} GPU(s) + {working / GIB:.1f} GiB working set: "
-                    f"~{need / GIB:.1f} GiB of {budget / GIB:.1f} GiB each"
-                    + ("" if n == 1 else f"; device_map auto, max_memory {share} GiB per GPU for weights")
-                    + ("" if need <= budget else "; DOES NOT FIT: expect out-of-memory")
-                ),
-            }
+    fitting = [n for n in sizes if needs[n] <= budget]
+    said = f" + the drafter {d / GIB:.1f} GiB on GPU 0" if d else ""
+    for n in roomy[:1] or fitting[:1] or ([gpus] if gpus and layouts[gpus] else []):
+        need, lay = needs[n], layouts[n]
+        caps = lay["caps"]
+        return {
+            "gpus": n,
+            "device_map": "auto" if n > 1 else None,
+            "max_memory_gib": {i: round(c / GIB, 2) for i, c in enumerate(caps)} if n > 1 else None,
+            "fits": need <= budget,
+            "per_gpu_gib": round(need / GIB, 1),
+            "per_gpu_needs_gib": [round(x / GIB, 1) for x in lay["needs"]],
+            **drafter_part,
+            "reason": (
+                f"{weights / GIB:.1f} GiB of weights + {kv / GIB:.1f} GiB KV cache ({tokens} tokens) over "
+                f"{n} GPU(s) + {working / GIB:.1f} GiB working set{said}: ~{need / GIB:.1f} GiB of "
+                f"{budget / GIB:.1f} GiB on the fullest"
+                + (
+                    ""
+                    if n == 1
+                    else "; device_map auto, max_memory "
+                    + ", ".join(f"{c / GIB:.1f}" for c in caps)
+                    + " GiB per GPU for weights"
+                )
+                + ("" if need <= budget else "; DOES NOT FIT: expect out-of-memory")
+            ),
+        }
+    lay = layouts[sizes[-1]]
     return {
         "gpus": None,
         "device_map": None,
         "max_memory_gib": None,
         "fits": False,
-        "per_gpu_gib": round(((weights + kv) / count + working) / GIB, 1),
-        "reason": f"even {count} GPUs do not hold the {weights / GIB:.1f} GiB target with its working set",
+        "per_gpu_gib": round(max(lay["needs"]) / GIB, 1) if lay else None,
+        **drafter_part,
+        "reason": (
+            f"even {sizes[-1]} GPUs do not hold the {weights / GIB:.1f} GiB target with its working set"
+            + (f" and the {d / GIB:.1f} GiB drafter (fp32, on GPU 0)" if d else "")
+        ),
     }
 
 
-def plan_inference(t: TargetShape, memory_gib: float, count: int) -> dict[str, Any]:
-    """`dflash plan`'s section for eval and regeneration."""
-    return {"engine": plan_engine(t, memory_gib, count), "harness": plan_harness(t, memory_gib, count)}
+def _drafter_summary(drafter: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "weights_gib": round(drafter["drafter_weights"] / GIB, 2),
+        "working_gib": round(drafter["drafter_working"] / GIB, 2),
+        "dtype": drafter.get("dtype", "float32"),
+        "layers": drafter.get("layers"),
+        "gpu": 0,
+    }
+
+
+def _spread(
+    units: list[int], n: int, budget: float, working: float, kv: float, drafter: float
+) -> dict[str, Any] | None:
+    """`n` GPUs holding the target as device_map places it, the drafter on GPU 0: each GPU's
+    `max_memory` for weights and what each then holds; None when the weights do not all find a GPU."""
+    weights = float(sum(units))
+    if n == 1:
+        return {"caps": [budget - working - kv - drafter], "needs": [weights + kv + working + drafter]}
+    caps = [budget - working - kv / n - (drafter if i == 0 else 0) for i in range(n)]
+    if caps[0] <= max(units):
+        return None
+    placed = device_map_fill(units, caps, max(units))
+    if placed is None:
+        return None
+    needs = [p + kv * p / weights + working + (drafter if i == 0 else 0) for i, p in enumerate(placed)]
+    return {"caps": caps, "needs": needs}
+
+
+def plan_inference(t: TargetShape, memory_gib: float, count: int, r: Recipe | None = None) -> dict[str, Any]:
+    """`dflash plan`'s section for eval and regeneration; the harness counts the recipe's drafter."""
+    drafter = None
+    if r is not None:
+        drafter = eval_drafter(shapes(t, r), ASSUMPTIONS["inference_tokens_per_sequence"], r.block)
+    return {
+        "engine": plan_engine(t, memory_gib, count),
+        "harness": plan_harness(t, memory_gib, count, drafter=drafter),
+    }
+
+
+def folder_drafter(t: TargetShape, folders: list[Path]) -> dict[str, Any] | None:
+    """The largest of the drafters in `folders` as eval loads it (eval_memory.eval_drafter); None when
+    none is a speculators folder whose config.json can be read (not counted: a converted format)."""
+    base = shapes(t, Recipe(draft_layers=1, n_aux=5, block=8, anchors=1, tokens=1, optimizer="adamw"))
+    found = [drafter_shapes(f, base) for f in folders]
+    sizes = [eval_drafter(s, ASSUMPTIONS["inference_tokens_per_sequence"], b) for s, b in filter(None, found)]
+    return max(sizes, key=lambda d: d["drafter_weights"] + d["drafter_working"], default=None)
 
 
 def visible_gpus() -> tuple[int, float]:
@@ -188,10 +268,15 @@ def resolve_engine_tp(
 
 
 def resolve_harness(
-    target_dir: Path, asked: int | None, device: str, gpus: tuple[int, float] | None = None
+    target_dir: Path,
+    asked: int | None,
+    device: str,
+    gpus: tuple[int, float] | None = None,
+    drafters: list[Path] | None = None,
 ) -> dict[str, Any]:
     """The keyword arguments the harness gives `from_pretrained` (empty: one device, as before) and
-    why; `asked`: `--harness-gpus` (None: the plan's). PlanError for more GPUs than are visible."""
+    why; `asked`: `--harness-gpus` (None: the plan's); `drafters`: the folders evaluated, the largest
+    counted on GPU 0 beside the target. PlanError for more GPUs than are visible, or none that hold it."""
     count, memory = gpus if gpus is not None else visible_gpus()
     if device == "cpu" or count < 1:
         if asked not in (None, 1):
@@ -199,9 +284,13 @@ def resolve_harness(
         return {"load_kwargs": {}, "gpus": 0, "reason": "the CPU"}
     if asked is not None and asked > count:
         raise PlanError(f"--harness-gpus {asked}: more than the {count} GPU(s) this process sees")
-    plan = plan_harness(read_target(target_dir), memory, count, asked)
+    t = read_target(target_dir)
+    plan = plan_harness(t, memory, count, asked, folder_drafter(t, list(drafters or [])))
     if plan["gpus"] is None:
-        raise PlanError(f"the harness: {plan['reason']} (--engine vllm shards it with tensor parallelism)")
+        raise PlanError(
+            f"the harness: {plan['reason']}: run it where more GPUs are visible, or --engine vllm "
+            "(tensor parallelism, the drafter in the target's dtype)"
+        )
     kwargs = {}
     if plan["device_map"]:
         kwargs = {

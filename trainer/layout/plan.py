@@ -10,8 +10,10 @@ auto or vllm, a vLLM split (trainer/layout/split.py); both weigh the run with tr
 the memory model `dflash preflight` uses too. The disk a node needs (target, venv, checkpoints,
 hidden-state spool, regenerated data) comes from trainer/layout/disk.py, which preflight's disk gate
 checks too; how `dflash eval` and `dflash regenerate --backend vllm` hold the target on the same GPUs
-(vLLM's tensor parallelism, the harness's device_map) from trainer/layout/inference.py. A layout that
-does not fit is refused: the report, then the reason on stderr, exit 2. Light side: no torch.
+(vLLM's tensor parallelism, the harness's device_map, the drafter on its first GPU) from
+trainer/layout/inference.py; where a run's `eval:` child runs (beside rank 0, or on GPUs kept out of
+training, said under `apply` as eval.device) from trainer/layout/eval_child.py. A layout, or an `eval:`
+child, that does not fit is refused: the report, then the reason on stderr, exit 2. Light side: no torch.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 
 from trainer.errors import ExitCode
 from trainer.layout.disk import against_nodes, plan_disk
+from trainer.layout.eval_child import place_eval_child
 from trainer.layout.hardware import node_count, node_gpus
 from trainer.layout.hooked import choose_layout
 from trainer.layout.inference import plan_inference
@@ -92,7 +95,19 @@ def make_plan(args) -> dict[str, Any]:
             f"drafter.draft_vocab_size (--draft-vocab-size {r.draft_vocab}): at least 2 and below the "
             f"target's vocabulary ({target.vocab})"
         )
-    layout, source = place(target, spec["memory_gib"], count, r, inputs.source, inputs.gpus_per_copy)
+    run = inputs.run
+    child = None
+    if run is not None and run.eval.enabled and count > 0:  # the eval: child, placed and counted
+        child, (layout, source) = place_eval_child(
+            target,
+            spec["memory_gib"],
+            count,
+            r,
+            run,
+            lambda n: place(target, spec["memory_gib"], n, r, inputs.source, inputs.gpus_per_copy),
+        )
+    else:
+        layout, source = place(target, spec["memory_gib"], count, r, inputs.source, inputs.gpus_per_copy)
     plan = {
         "config": inputs.config,
         "gpu": gpu_name,
@@ -132,8 +147,11 @@ def make_plan(args) -> dict[str, Any]:
         },
         "assumptions": ASSUMPTIONS,
     }
+    plan["eval_child"] = child
     plan["apply"] = apply_keys(plan)
-    plan["inference"] = plan_inference(target, spec["memory_gib"], count)  # dflash eval / regenerate
+    if child and plan["apply"] and child["apply"]:
+        plan["apply"].update(child["apply"])
+    plan["inference"] = plan_inference(target, spec["memory_gib"], count, r)  # dflash eval / regenerate
     arith = offline_arithmetic(
         target, r.n_aux, args.samples, args.mean_tokens, args.epochs, count * nodes, layout["gpus_per_copy"]
     )
@@ -204,4 +222,6 @@ def cmd_plan(args) -> int:
     print(json.dumps(plan, indent=1) if args.json else render_text(plan))
     if not plan["fits"]:
         raise PlanError(f"no layout fits: {plan['reason']}")
+    if plan.get("eval_child") and not plan["eval_child"]["fits"]:
+        raise PlanError(f"the evaluation while training (eval:) has no place: {plan['eval_child']['reason']}")
     return ExitCode.OK

@@ -147,6 +147,13 @@ def render_text(p: dict[str, Any]) -> str:
             + (f"--harness-gpus {h['gpus']}" if h["fits"] else "DOES NOT FIT")
             + f" ({h['reason']})"
         )
+    if p.get("eval_child"):
+        c = p["eval_child"]
+        lines.append(
+            "         the run's eval: (tau while training): "
+            + (f"eval.device {c['device']}" if c["fits"] else "NO PLACE")
+            + f" ({c['reason']})"
+        )
     if p.get("disk"):
         lines.append(f"disk     ~{p['disk']['total_gb']} GB per node (rent at least this much):")
         lines += render_disk(p["disk"], indent="  ")

@@ -1,6 +1,6 @@
 """Preflight: every check that can refuse a run, done in seconds before any GPU time is spent.
 
-Four gates, each listing every problem it finds (a run is refused on any error; warnings inform):
+Five gates, each listing every problem it finds (a run is refused on any error; warnings inform):
 
 - data (data.py): supervised tokens per sample (histogram), short responses, samples the loop would
   drop (no two consecutive supervised tokens, longer than data.max_length, input_ids/loss_mask length
@@ -12,6 +12,8 @@ Four gates, each listing every problem it finds (a run is refused on any error; 
   NVIDIA GPUs torch cannot use, is refused: trainer/device.py), free disk for the parts of the run
   still to be written (disk.py: the budget `dflash plan` prints), a memory estimate against the
   device, and /dev/shm for a vLLM server the run starts (shm.py);
+- evaluation (evaluation.py): the `eval:` child's GPUs (free of the run's own, holding the target and
+  the fp32 drafter) and its named benchmark set in the Hugging Face cache;
 - trackers (trackers.py): the package of every tracker `report_to` names is installed.
 
 The findings and their rendering are in report.py. Light side: model folders are read by
@@ -28,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from trainer.preflight.data import data_gate
 from trainer.preflight.disk import disk_gate
 from trainer.preflight.drafter import aux_gate, drafter_gate, warm_start_gate
+from trainer.preflight.evaluation import eval_gate
 from trainer.preflight.machine import device_gate, memory_gate
 from trainer.preflight.report import PreflightReport
 from trainer.preflight.shm import shm_gate
@@ -56,6 +59,7 @@ def run_preflight(cfg: RunConfig) -> PreflightReport:
         ("disk", disk_gate),
         ("shared memory", shm_gate),
         ("memory", memory_gate),
+        ("evaluation", eval_gate),
         ("trackers", trackers_gate),
     ]
     for name, gate in gates:

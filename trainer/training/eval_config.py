@@ -13,7 +13,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-DEVICE = re.compile(r"^(trainer|cpu|cuda:\d+)$")
+DEVICE = re.compile(r"^(trainer|cpu|cuda:\d+(,\d+)*)$")
 
 
 def holdout_file(out_dir: Path | str) -> Path:
@@ -59,7 +59,8 @@ class EvalConfig(BaseModel):
     device: str = Field(
         "trainer",
         description="where the evaluation runs: trainer (global rank 0's device: its GPU, beside the "
-        "trainer, or the CPU), cpu, or cuda:N (a spare GPU of the node)",
+        "trainer, or the CPU), cpu, or cuda:N[,M...] (the node's last GPUs, kept out of training: "
+        "`dflash plan` counts them and sets this when rank 0's GPU cannot hold the evaluation too)",
     )
 
     @property
@@ -81,7 +82,7 @@ class EvalConfig(BaseModel):
     @classmethod
     def _device(cls, v: str) -> str:
         if not DEVICE.match(v):
-            raise ValueError(f"{v!r}: trainer, cpu or cuda:N")
+            raise ValueError(f"{v!r}: trainer, cpu or cuda:N[,M...] (the node's GPU numbers)")
         return v
 
     def resolve_paths(self, base: Path) -> None:

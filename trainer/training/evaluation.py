@@ -52,7 +52,9 @@ class Job:
 def eval_device(setting: str, trainer_device: str) -> tuple[str, str]:
     """(`dflash eval --device`, CUDA_VISIBLE_DEVICES) for the `eval.device` setting: `trainer` is
     rank 0's own device (its GPU as the node numbers it, through the trainer's own
-    CUDA_VISIBLE_DEVICES; the CPU when it trains there), `cuda:N` the node's GPU N, `cpu` no GPU."""
+    CUDA_VISIBLE_DEVICES; the CPU when it trains there), `cuda:N[,M...]` the node's GPUs N, M, ...
+    (`dflash eval` then spreads the target over them as trainer/layout/inference.py plans it, the
+    drafter on the first), `cpu` no GPU."""
     if setting == "cpu" or (setting == "trainer" and not trainer_device.startswith("cuda")):
         return "cpu", ""
     if setting == "trainer":  # an index among the GPUs the trainer sees
