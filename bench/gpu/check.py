@@ -9,10 +9,16 @@ memory beside the memory model's prediction for its own run config):
   chunked    the same with `train.loss_chunk_rows` (chunked_loss.py; flex attention must run compiled)
   zero1      `train.shard: optimizer` (DDP + ZeRO-1) in a process group of one (one_rank.py)
   fsdp2      `train.shard: full` (FSDP2) in a process group of one
+  dp2        two data-parallel ranks (torchrun, NCCL), one GPU each   [two GPUs; else skipped, saying so]
+  copy2      `target.gpus_per_copy: 2`: one target copy over two GPUs   [the same]
   eval       `dflash eval` (harness), every prompt checked lossless against the target's greedy decoding
   vllm       `target.source: vllm`: the run's own vLLM server and the trainer sharing the GPU
   eval_both  `dflash eval --engine both`: the harness, then vLLM serving the drafter
   overhead   the online step against its two parts alone (bench/online_overhead.py part a)
+Before the stages it records the toolchain (toolchain.py: driver, CUDA, torch, Triton, the ptxas Triton
+uses for this GPU, NCCL, the C compiler, Python.h) and where the stages run: where systemd runs, each in a
+transient unit with the product's sandbox (unit.py, rendered from the role's template), else outside a
+unit, saying why (`--unit auto|on|off`).
 The report (JSON + the table) is rewritten after EACH stage (a temporary file, then a rename), so a call
 that runs out of time still brings back everything that finished: REPORT and TABLE in --out, else $OUT,
 else reports/gpu-check, with the end of each stage's log in LOGS.
@@ -49,7 +55,9 @@ sys.path[:0] = [str(HERE), str(REPO), str(REPO / "bench")]
 
 import served  # noqa: E402
 import stages  # noqa: E402
-from common import GIB, MODES, SHAPES, ZYGOTE, Ctx, PeakSampler, log  # noqa: E402
+import toolchain  # noqa: E402
+import unit  # noqa: E402
+from common import GIB, MODES, SHAPES, ZYGOTE, Ctx, PeakSampler, Service, Skip, log  # noqa: E402
 
 REPORT, TABLE, LOGS = "gpu-check.json", "gpu-check.txt", "gpu-check-logs.txt"
 # the order they run in: the cheap and the most telling first (a time-out cuts the tail)
@@ -58,6 +66,8 @@ STAGES = {
     "chunked": stages.chunked,
     "zero1": stages.zero1,
     "fsdp2": stages.fsdp2,
+    "dp2": stages.dp2,
+    "copy2": stages.copy2,
     "eval": stages.harness_eval,
     "vllm": served.vllm_source,
     "eval_both": served.eval_both,
@@ -83,8 +93,29 @@ def environment(cuda: bool) -> dict:
             device_memory_gib=round(props.total_memory / GIB, 1),
             multiprocessors=props.multi_processor_count,
             torch_cuda=torch.version.cuda,
+            device_count=torch.cuda.device_count(),
         )
     return env
+
+
+def versions(work: Path) -> dict:
+    """toolchain.py's record, taken where the stages run: in a transient unit when they do (its PATH,
+    CC and TRITON_* are the service's), else in this process (the stages inherit its environment)."""
+    from common import run_logged
+
+    if Service.unit is None:
+        return {**toolchain.collect(), "taken": "in the check's process (the stages' environment)"}
+    out = work / "toolchain.json"
+    cmd = [sys.executable, str(HERE / "toolchain.py"), str(out)]
+    try:
+        run_logged("toolchain.py", cmd, work / "toolchain.log", 120)
+        return {**json.loads(out.read_text()), "taken": "in a transient unit (the stages' environment)"}
+    except Exception as exc:  # the unit could not run it: say so, and what this process sees
+        own = toolchain.collect()
+        return {
+            **own,
+            "taken": f"in the check's process: the unit failed ({type(exc).__name__}: {exc})"[:2000],
+        }
 
 
 def matmul_tflops(cuda: bool) -> float:
@@ -133,7 +164,7 @@ def run_stage(ctx: Ctx, name: str, shape_rec: dict, report: Report) -> dict:
         try:
             with sampler:
                 rec = {"status": "ok", **STAGES[name](ctx, sampler, min(ctx.mode.stage_cap_s, left))}
-        except served.Skip as exc:
+        except Skip as exc:
             rec = {"status": "skipped", "reason": str(exc)}
         except Exception as exc:  # a stage's failure is its record, not the end of the check
             rec = {"status": "failed", "error": f"{type(exc).__name__}: {exc}"[-4000:]}
@@ -174,7 +205,7 @@ def check_shape(name: str, args, mode, cuda: bool, report: Report, deadline: flo
     shape = SHAPES[name]
     rec: dict = {"shape": name, "recipe": mode.recipe, "config": shape, "stages": {}}
     report.data["shapes"].append(rec)
-    work = Path(tempfile.mkdtemp(prefix=f"gpu-check-{name}-", dir=args.work))
+    work = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=args.work_root))
     try:
         t0 = time.perf_counter()
         dtype = "bfloat16" if cuda else "float32"
@@ -207,10 +238,16 @@ def fmt(v, spec: str = ".3g") -> str:
 
 def table(report: dict) -> str:
     env = report.get("environment", {})
+    count = f"{env['device_count']} x " if env.get("device_count") else ""
+    service = report.get("service", {})
     lines = [
-        f"GPU check ({report['mode']}) on {env.get('device_name', 'CPU')} (torch {env.get('torch')}, "
+        f"GPU check ({report['mode']}) on {count}{env.get('device_name', 'CPU')} (torch {env.get('torch')}, "
         f"transformers {env.get('transformers')}; matmul {fmt(report.get('matmul_tflops'))} TFLOP/s measured)"
         + ("" if report.get("complete") else "  [INCOMPLETE: written after each stage]"),
+        "toolchain: " + (toolchain.summary(report["versions"]) if report.get("versions") else "-"),
+        "stages ran "
+        + service.get("reason", "-")
+        + (f" ({len(service['properties'])} properties)" if service.get("properties") else ""),
         "shape      stage      status    wall_s   tok/s  MFU(ds) | peak GiB  pred  ratio | device GiB"
         " | notes",
     ]
@@ -240,7 +277,10 @@ def why(r: dict) -> str:
 def notes(r: dict) -> str:
     bits = list(r.get("problems", []))
     if "tau" in r:
-        bits.append(f"tau {fmt(r['tau'], '.2f')} lossless {r['lossless_matched']}/{r['lossless_checked']}")
+        bits.append(
+            f"tau {fmt(r['tau'], '.2f')} lossless {r['lossless_matched']}/{r['lossless_checked']}"
+            + (f" +{r['lossless_near_ties']} near-tie" if r.get("lossless_near_ties") else "")
+        )
     if r.get("served_tau") is not None:
         bits.append(f"vLLM tau {fmt(r['served_tau'], '.2f')}")
     if "online_over_parts" in r:
@@ -281,7 +321,18 @@ def parse(argv: list[str] | None):
         "imported torch and the trainer once, zygote.py)",
     )
     ap.add_argument(
-        "--work", type=Path, default=None, help="scratch folder (targets, runs; default a temp dir)"
+        "--work",
+        type=Path,
+        default=None,
+        help="scratch folder (targets, runs; default a temp dir, in build/ when the stages run in units: "
+        "their /tmp is private)",
+    )
+    ap.add_argument(
+        "--unit",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="each stage in a transient unit with the product's sandbox: where systemd runs (auto), "
+        "required (on), never (off)",
     )
     args = ap.parse_args(argv)
     args.mode = "cpu-smoke" if args.cpu_smoke else "quick" if args.quick else "full"
@@ -320,27 +371,44 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     args.logs = out_dir / LOGS
     args.logs.write_text("")
+    in_unit, reason = unit.decide(args.unit, cuda)
+    parent = args.work or ((REPO / "build") if in_unit else None)  # a unit's /tmp is its own
+    if parent is not None:
+        parent.mkdir(parents=True, exist_ok=True)
+    args.work_root = Path(tempfile.mkdtemp(prefix="gpu-check-", dir=parent))
+    Service.reason = reason
+    if in_unit:
+        Service.unit = unit.Unit(args.work_root, cuda)
+    log(f"stages run {reason}")
     data = {
         "mode": mode.name,
         "complete": False,
         "budget_s": mode.budget_s,
         "stages_planned": args.stages,
         "environment": environment(cuda),
+        "service": {"unit": in_unit, "reason": reason, **(Service.unit.record() if in_unit else {})},
+        "versions": None,
         "matmul_tflops": None,
         "shapes": [],
     }
     report = Report(out_dir, data)
     report.save()
-    if args.cpu_smoke and not args.no_zygote:
+    data["versions"] = versions(args.work_root)
+    log("toolchain: " + toolchain.summary(data["versions"]))
+    report.save()
+    if args.cpu_smoke and not args.no_zygote and not in_unit:  # a unit's process is systemd's child
         ZYGOTE.start()  # imports while the target is built; forks each stage's process (zygote.py)
     data["matmul_tflops"] = matmul_tflops(cuda)
     log(
         f"{mode.name}: matmul {data['matmul_tflops']:.3g} TFLOP/s; shapes {args.shapes}; stages {args.stages}"
     )
     deadline = started + mode.budget_s
-    for name in args.shapes:
-        check_shape(name, args, mode, cuda, report, deadline)
-    ZYGOTE.stop()
+    try:
+        for name in args.shapes:
+            check_shape(name, args, mode, cuda, report, deadline)
+    finally:
+        ZYGOTE.stop()
+        shutil.rmtree(args.work_root, ignore_errors=True)
     data["wall_s"] = round(time.monotonic() - started, 1)
     data["complete"] = True
     report.save()

@@ -200,6 +200,18 @@ class StageFailed(RuntimeError):
     """A stage's command failed: the message holds its exit code and the end of its log."""
 
 
+class Skip(Exception):
+    """The stage cannot run here; the message says why (a skip, not a failure)."""
+
+
+class Service:
+    """Where the stages run (check.py sets it): `unit` a unit.Unit (each command a transient unit with
+    the product's sandbox) or None (outside a unit), `reason` the decision's words."""
+
+    unit = None
+    reason = "outside a unit"
+
+
 def child_env(stage: str) -> dict[str, str]:
     """The stage's processes' environment: the repository on the path, and GPU_CHECK_STAGE naming the
     stage (the suite's import audit tells the stages that need vLLM apart by it)."""
@@ -241,9 +253,18 @@ def run_logged(
     if ZYGOTE.proc is not None:  # --cpu-smoke: forked from the pre-imported interpreter
         rc = ZYGOTE.run(cmd, log_path, env, timeout, sampler)
     else:
+        unit = Service.unit
+        if unit is not None:  # the product's sandbox and environment (unit.py)
+            cmd = unit.wrap(cmd, env, log_path.stem)
         with open(log_path, "wb") as out:
             proc = subprocess.Popen(
-                cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=REPO,
+                start_new_session=True,
             )
             if sampler is not None:
                 sampler.watch(proc.pid)
@@ -251,6 +272,8 @@ def run_logged(
                 rc = proc.wait(timeout=max(1.0, timeout))
             except subprocess.TimeoutExpired:
                 _kill_group(proc)
+                if unit is not None:  # the service itself, not only systemd-run's client
+                    unit.stop()
                 rc = None
     text = log_path.read_text(errors="replace")
     if rc is None:

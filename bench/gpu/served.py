@@ -9,12 +9,10 @@ from __future__ import annotations
 import importlib.util
 import json
 
-from common import GIB, Ctx, PeakSampler, kill_pid_file, ratio, run_logged
+from common import GIB, Ctx, PeakSampler, Skip, kill_pid_file, ratio, run_logged
 from stages import eval_cmd, summarise_eval, train_run, trained_drafter, weights_prediction
 
-
-class Skip(Exception):
-    """The stage cannot run here; the message says why (a skip, not a failure)."""
+__all__ = ["Skip", "eval_both", "need_vllm", "vllm_source"]
 
 
 def need_vllm() -> None:

@@ -72,8 +72,9 @@ def env(tmp_path) -> dict[str, str]:
     return {**os.environ, "PYTHON": sys.executable, "GPU_CHECK_WHEELS": str(tmp_path / "no-wheels")}
 
 
-STAGES = ["hooked", "chunked", "zero1", "fsdp2", "eval", "vllm", "eval_both", "overhead"]
+STAGES = ["hooked", "chunked", "zero1", "fsdp2", "dp2", "copy2", "eval", "vllm", "eval_both", "overhead"]
 NEEDS_VLLM = {"vllm", "eval_both"}  # skipped on the lent H200 (no vLLM in its image): not audited
+TWO_GPUS = {"dp2", "copy2"}  # skipped, saying why, without two CUDA devices (so on this CPU)
 
 
 def test_cpu_smoke_runs_every_stage_and_imports_only_what_the_gpu_machine_will_have(env, tmp_path):
@@ -94,10 +95,31 @@ def test_cpu_smoke_runs_every_stage_and_imports_only_what_the_gpu_machine_will_h
     (shape,) = report["shapes"]
     assert shape["shape"] == "tiny" and "error" not in shape and "running" not in shape
     st = shape["stages"]
-    assert list(st) == STAGES  # every stage ran, in the documented order, and reported
+    assert list(st) == STAGES  # every stage ran (or was skipped), in the documented order, and reported
+    for name in TWO_GPUS:  # the reason is in the report and printed as the stage ends
+        assert st.pop(name)["status"] == "skipped" and "needs 2 CUDA devices: this is a CPU run" in res.stdout
     for name, r in st.items():
         assert r["status"] == "ok" and r["problems"] == [], (name, r)
         assert r["wall_s"] > 0 and r["cpu_s"] > 0 and r["device_peak_gib"] > 0, (name, r)
+    # the toolchain, recorded as it is here: what a CPU has not is absent or n/a, never filled in
+    v = report["versions"]
+    assert (
+        v["torch"].startswith("2.")
+        and v["triton"] == triton_version()
+        and v["python"] == sys.version.split()[0]
+    )
+    assert v["driver"].startswith("absent") and v["cuda_driver"].startswith("absent")
+    assert v["cuda_runtime"] == v["nccl"] == "n/a (torch built without CUDA)"
+    assert v["ptxas"]["in_use"].startswith("n/a (no CUDA device")
+    assert {c["path"].rsplit("/", 1)[1] for c in v["ptxas"]["candidates"].values()} == {
+        "ptxas",
+        "ptxas-blackwell",
+    }
+    assert Path(v["compiler"]["cc"]).name in ("gcc", "clang", "cc") and v["compiler"]["version"]
+    assert Path(v["python_headers"]["python_h"]).is_file() and v["taken"].startswith("in the check's process")
+    # where the stages ran: this machine has no systemd as init, so outside a unit, saying so
+    in_unit, reason = service_decision()
+    assert report["service"]["unit"] == in_unit and report["service"]["reason"] == reason
     for name in ("hooked", "chunked", "zero1", "fsdp2", "vllm"):
         t = st[name]
         assert t["steps"] == (4 if name == "hooked" else 2) and t["all_finite"] and t["tokens_per_s"] > 0
@@ -136,7 +158,9 @@ def test_cpu_smoke_runs_every_stage_and_imports_only_what_the_gpu_machine_will_h
     assert o["online_over_parts"] == pytest.approx(o["online_step_s"] / parts, rel=0.02)
     # the table, on stdout and beside the report, and each stage's log tail
     table = (out / "gpu-check.txt").read_text()
-    assert all(f"tiny       {name:<10} ok" in table for name in STAGES) and table in res.stdout + "\n"
+    assert all(f"tiny       {name:<10} ok" in table for name in st) and table in res.stdout + "\n"
+    assert "tiny       dp2        skipped" in table and "toolchain: driver absent, CUDA n/a" in table
+    assert f"stages ran {reason}" in table
     logs = (out / "gpu-check-logs.txt").read_text()
     assert "===== tiny hooked: hooked.log" in logs and "vllm-server.log" in logs
 
@@ -314,3 +338,18 @@ def test_carried_wheels_are_installed_and_put_on_the_path(tmp_path):
     assert "1 carried wheels installed" in res.stdout, res.stdout + res.stderr
     assert (site / "gpu_check_probe" / "__init__.py").is_file()
     assert res.returncode == 2  # and the check itself started (its argument check answered)
+
+
+def triton_version() -> str:
+    try:
+        import triton
+    except ImportError:
+        return "absent (not importable)"
+    return triton.__version__
+
+
+def service_decision() -> tuple[bool, str]:
+    check_module()
+    import unit
+
+    return unit.decide("auto", False)

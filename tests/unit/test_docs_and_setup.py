@@ -13,7 +13,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = ["scripts/setup-venv", "scripts/test", "scripts/demo", ".ci/run"]
-GROUPS = {"a100", "pro6000", "b200", "h200", "cpu", "local"}
+GROUPS = {"a100", "pro6000", "b200", "h100", "h100_1", "h200", "h200_1", "cpu", "local"}
 # RFC 5737 documentation ranges, and this machine.
 DOC_NETS = [ipaddress.ip_network(n) for n in ("192.0.2.0/24", "198.51.100.0/24", "203.0.113.0/24")]
 LOCAL_NAMES = {"localhost", "127.0.0.1", "::1"}
@@ -129,7 +129,7 @@ def test_group_vars_parse_and_use_one_layout():
     assert (group_vars / "all").is_dir() and not (group_vars / "all.yml").exists()
     for path in list(group_vars.glob("*.yml")) + list((group_vars / "all").glob("*.yml*")):
         assert isinstance(yaml.safe_load(path.read_text()), dict), path
-    for group in ("a100", "pro6000", "b200", "h200"):
+    for group in ("a100", "pro6000", "b200", "h100", "h200"):
         facts = yaml.safe_load((group_vars / f"{group}.yml").read_text())
         assert facts["expected_gpu_count"] >= 1 and facts["expected_gpu_memory_gib"] > 0
 

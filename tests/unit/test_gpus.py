@@ -210,3 +210,47 @@ def test_cli_facts_and_decide(tmp_path):
         check=False,
     )
     assert r.returncode == 2 and "missing.csv does not exist" in r.stderr
+
+
+def test_one_gpu_groups_win_over_their_model_group_and_an_h100_alone_passes_recon():
+    """The inventory as Ansible resolves it (`ansible-inventory --list`, group var precedence: a child
+    group's vars over its parent's): an `h100` host expects 8 GPUs, a host of `h100_1` / `h200_1` (children
+    of `h100` / `h200`) one, with the parent's model, memory and compute capability; and `dflash gpu facts
+    --expected` with those vars, on one H100's nvidia-smi output, finds nothing amiss (recon goes on)."""
+    inventory = Path(sys.executable).parent / "ansible-inventory"
+    res = subprocess.run(
+        [str(inventory), "-i", str(GROUP_VARS.parent), "--list"],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )
+    assert res.returncode == 0, res.stderr
+    hostvars = json.loads(res.stdout)["_meta"]["hostvars"]
+
+    def expected(host):
+        return {k: v for k, v in hostvars[host].items() if k.startswith("expected_gpu_")}
+
+    h100, h100_1 = expected("h100-example"), expected("h100-1gpu-example")
+    h200_1 = expected("h200-1gpu-example")
+    assert h100["expected_gpu_count"] == 8 and h100["expected_gpu_compute_capability"] == "9.0"
+    assert h100_1 == {**h100, "expected_gpu_count": 1}
+    assert h200_1 == {**expected("h200-example"), "expected_gpu_count": 1}
+    r = subprocess.run(
+        [
+            sys.executable, "-m", "trainer.cli", "gpu", "facts",
+            "--query", FIX / "h100-1x80gb.query.csv",
+            "--smi", FIX / "h100-1x80gb.nvidia-smi.txt",
+            "--expected", json.dumps(h100_1),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert (out["count"], out["model"], out["architecture"]) == (1, "NVIDIA H100 80GB HBM3", "Hopper")
+    assert out["expected_mismatch"] == []
+    # the same box under the 8-GPU group stops recon, naming the count; the H200 alone passes h200_1
+    assert check_expected(out, h100) == ["expected 8 GPUs, found 1"]
+    assert check_expected(facts("h200-1x141gb"), h200_1) == []
