@@ -57,8 +57,12 @@ def journey(bed, host, provision_vars, engine_wheel_cache, runner, tmp_path):
     # podman's default /dev/shm (64 MiB) cannot hold vLLM's engine queues (preflight says so: the rented-node
     # journey proves that refusal); this node gets a larger one
     testbed._podman("exec", "--privileged", host.container, "mount", "-o", "remount,size=1g", "/dev/shm")
+    # NVIDIA device nodes with the driver's numbers (/dev/nvidia0 = 195:0, nvidiactl 195:255) and no driver
+    # behind them: recon finds them, so the role renders the GPU node's device policy into the unit
+    host.ssh(bed, "mknod -m 666 /dev/nvidia0 c 195 0; mknod -m 666 /dev/nvidiactl c 195 255; true")
     cfg = prepare_tiny_run(bed, host, steps=1_000_000)
     cfg["target"]["source"] = "vllm"
+    cfg["train"]["device"] = "cpu"  # on purpose: preflight refuses `auto` beside NVIDIA nodes it cannot use
     inv = bed.inventory(tmp_path / "inv.yml")
     ev = {
         "test_role": "trainer_service",
@@ -85,6 +89,7 @@ def journey(bed, host, provision_vars, engine_wheel_cache, runner, tmp_path):
     exposure = float(re.search(r"Overall exposure level for \S+: ([\d.]+)", sec).group(1))
     assert exposure <= 5, sec[-2000:]
     assert prop(bed, host, "User") == "dflash" and prop(bed, host, "KillMode") == "mixed"
+    probe_the_sandbox(bed, host, first)
     # systemd waits longer than the trainer's own bound on SIGTERM -> final checkpoint -> exit
     stop_bound = float(cfg["train"].get("stop_timeout_s", 600))
     assert timespan_s(prop(bed, host, "TimeoutStopUSec")) > stop_bound
@@ -166,3 +171,94 @@ def environ(bed, host, pid) -> str:
     reading another user's /proc/PID/environ needs)."""
     user = host.ssh(bed, f"stat -c %U /proc/{pid}").stdout.strip()
     return host.ssh(bed, f"runuser -u {user} -- cat /proc/{pid}/environ").stdout
+
+
+PROBE = """import errno, json, os, sys
+out = {}
+if sys.argv[1] == "devices":
+    for p in ("/dev/nvidia0", "/dev/nvidiactl"):
+        try:
+            os.close(os.open(p, os.O_RDWR))
+            out[p] = "opened"
+        except OSError as e:
+            out[p] = errno.errorcode[e.errno]
+else:
+    import socket
+    import torch
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    out = {"rank": dist.get_rank(), "sum": t.item(), "master": os.environ["MASTER_ADDR"],
+           "fqdn": socket.getfqdn(), "fqdn_addr": socket.gethostbyname(socket.getfqdn())}
+    dist.destroy_process_group()
+    if out["rank"]:
+        sys.exit(0)
+open(sys.argv[2], "w").write(json.dumps(out))
+"""
+
+
+def in_a_copy_of_the_unit(bed, host, command: str, result: str) -> dict:
+    """Run `command` under a copy of the rendered unit (every property the same: user, environment, device
+    policy, IP filter, hardening; only ExecStart, Type=oneshot and no restart differ); its JSON result."""
+    host.ssh(
+        bed,
+        f"sed -e 's|^ExecStart=.*|ExecStart={command}|' "
+        "-e 's|^Type=exec|Type=oneshot\\nTimeoutStartSec=300|' "
+        f"-e 's|^Restart=on-failure|Restart=no|' -e '/^RestartPreventExitStatus/d' {UNIT} "
+        f"> /etc/systemd/system/dflash-probe.service && systemctl daemon-reload && rm -f {result}",
+    )
+    r = host.ssh(bed, "systemctl start dflash-probe", check=False)
+    got = host.ssh(bed, f"cat {result}", check=False)
+    if got.returncode != 0:
+        journal = host.ssh(bed, "journalctl -u dflash-probe --no-pager -o cat | tail -30", check=False).stdout
+        raise AssertionError(f"{command}: no result (systemctl start: {r.returncode} {r.stderr}); {journal}")
+    return json.loads(got.stdout)
+
+
+def probe_the_sandbox(bed, host, first):
+    """The unit the role rendered for this node, probed from inside (a copy of it, see in_a_copy_of_the_unit).
+    - Devices: /dev/nvidia0 opens with ENXIO (the unit allows it; no driver behind it), never EPERM (the
+      unit's device policy denies it: what the old `char-nvidia-frontend` gave, as /proc/devices names no
+      such major since driver 550.40). What this proves: the rendered policy lets the node's NVIDIA nodes
+      through by path whatever /proc/devices says (this machine's names no NVIDIA major at all). What it
+      cannot: the `char-nvidia*` glob against a real driver's /proc/devices (systemd's fnmatch, read in its
+      source; tests/unit/test_sandbox.py checks the glob is rendered).
+    - Two gloo ranks, launched as the role launches data_parallel 2 on one node (torchrun with the
+      role's own launch flags), on a host whose name resolves to a non-loopback address (a test link's,
+      as a rented node's name resolves to its address): rendezvous, store and all_reduce inside the
+      unit's IP filter. With the old unit torchrun published that address as MASTER_ADDR and the filter
+      (loopback only) dropped the ranks' connections."""
+    from tests.ansible.conftest import gateway
+    from tests.unit.test_role_contracts import render_role_var
+
+    unit = host.ssh(bed, f"cat {UNIT}").stdout
+    assert "DevicePolicy=closed" in unit and "DeviceAllow=/dev/nvidia0 rw" in unit, unit
+    assert "DeviceAllow=char-nvidia* rw" in unit and "char-nvidia-frontend" not in unit
+    host.ssh(bed, f"cat > /opt/dflash/probe.py <<'EOF'\n{PROBE}EOF\nchmod 644 /opt/dflash/probe.py")
+    run = "/opt/dflash/runs/tiny"
+    dev = in_a_copy_of_the_unit(
+        bed, host, f"/opt/dflash/venv/bin/python /opt/dflash/probe.py devices {run}/probe-devices.json",
+        f"{run}/probe-devices.json",
+    )  # fmt: skip
+    assert dev == {"/dev/nvidia0": "ENXIO", "/dev/nvidiactl": "ENXIO"}, dev
+    settled = [r for r in first.task_results("Settle the sandbox") if "ansible_facts" in r]
+    sandbox = settled[0]["ansible_facts"]["trainer_service_sandbox"] if settled else {}
+    launch = render_role_var(
+        "trainer_service", "trainer_service_launch", {"trainer_service_sandbox": sandbox}
+    )
+    addr = gateway(bed.hosts["node-a"])  # this machine's end of a test link: an address the tests made
+    host.ssh(
+        bed, f"cp /etc/hosts /root/hosts.orig && (echo '{addr} sysd'; cat /root/hosts.orig) > /etc/hosts"
+    )
+    try:
+        ranks = in_a_copy_of_the_unit(
+            bed, host,
+            f"/opt/dflash/venv/bin/torchrun {' '.join(launch)} --nproc-per-node=2 /opt/dflash/probe.py gloo "
+            f"{run}/probe-gloo.json",
+            f"{run}/probe-gloo.json",
+        )  # fmt: skip
+    finally:
+        host.ssh(bed, "cat /root/hosts.orig > /etc/hosts", check=False)
+    assert ranks["fqdn_addr"] == addr and ranks["sum"] == 2.0, ranks
+    host.ssh(bed, "rm -f /etc/systemd/system/dflash-probe.service && systemctl daemon-reload")

@@ -179,9 +179,12 @@ class Testbed:
         self, name: str, port: int | None = None, image: str = "dflash-systemd-host"
     ) -> Host:
         """A podman container with systemd as PID 1 (its own filesystem, this machine's network), reached
-        by SSH on 127.0.0.1:`port`. The image comes from `tests/ansible/build-host-image systemd`."""
+        by SSH on 127.0.0.1:`port`. The image comes from `tests/ansible/build-host-image systemd`.
+        Privileged, with its own cgroup namespace: its systemd then owns its cgroups as on a real host, and a
+        unit's DevicePolicy= is enforced (this kernel's cgroup v1 devices controller; without these it is
+        mounted read-only and every DeviceAllow= is silently a no-op, checked by hand)."""
         return self._add_container_host(
-            name, port, image, ["--systemd=always", "--cap-add=SYS_ADMIN"], ["/sbin/init"]
+            name, port, image, ["--systemd=always", "--privileged", "--cgroupns=private"], ["/sbin/init"]
         )
 
     def add_bare_host(self, name: str, port: int | None = None, image: str = "dflash-bare-host") -> Host:

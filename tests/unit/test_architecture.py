@@ -55,6 +55,7 @@ LIGHT = (
     "trainer.eval.training_meta",
     "trainer.tokenizer_files",
     "trainer.layout.disk",
+    "trainer.layout.sandbox",
     "trainer.layout.gpus",
     "trainer.layout.hardware",
     "trainer.layout.hooked",

@@ -240,7 +240,15 @@ def render_role_var(role: str, name: str, values: dict) -> object:
     import ast
 
     import jinja2
-    from ansible.plugins.filter.core import combine, extract, regex_replace, to_bool
+    from ansible.plugins.filter.core import (
+        combine,
+        dict_to_list_of_dict_key_value_elements,
+        extract,
+        list_of_dict_key_value_elements_to_dict,
+        regex_replace,
+        to_bool,
+        to_json,
+    )
     from jinja2 import meta
 
     # a one-host play unless `values` says otherwise (what Ansible itself would define)
@@ -252,8 +260,21 @@ def render_role_var(role: str, name: str, values: dict) -> object:
         **load(ROLES / role / "vars/main.yml"),
         **values,
     }
-    env = jinja2.Environment(undefined=jinja2.StrictUndefined)
+
+    class ChainedUndefined(jinja2.StrictUndefined):
+        """Ansible's: `a.b.c | default(x)` with `a` undefined is x; any other use of it still fails."""
+
+        def __getattr__(self, name):
+            if name.startswith("__"):
+                raise AttributeError(name)
+            return self
+
+        __getitem__ = __getattr__
+
+    env = jinja2.Environment(undefined=ChainedUndefined)
     env.filters.update(combine=combine, extract=extract, regex_replace=regex_replace, bool=to_bool)
+    env.filters.update(to_json=to_json, dict2items=dict_to_list_of_dict_key_value_elements,
+                       items2dict=list_of_dict_key_value_elements_to_dict)  # fmt: skip
 
     def value_of(key: str):
         v = known[key]
@@ -277,6 +298,7 @@ def test_torchrun_waits_for_the_final_checkpoint_and_the_service_manager_waits_l
         "dflash_root": "/opt/dflash",
         "trainer_service_layout": {"data_parallel": 4},
         "trainer_service_run_config": {"train": {"stop_timeout_s": 900}},
+        "trainer_service_sandbox": {"local_addr": "127.0.0.1"},
     }
     argv = render_role_var("trainer_service", "trainer_service_exec", values)
     assert argv[0].endswith("/bin/torchrun") and "--nproc-per-node=4" in argv
@@ -304,7 +326,34 @@ def test_a_multi_node_group_runs_torchrun_with_a_c10d_rendezvous_on_its_first_no
         "hostvars": hosts,
         "trainer_service_socket_ifname": "ens5",
     }
+    from trainer.layout.sandbox import decide
+
+    ens5 = [
+        {"device": "ens5", "ipv4": {"address": a["ansible_host"], "netmask": "255.255.255.0"}}
+        for a in hosts.values()
+    ]
     for rank, host in enumerate(hosts):
+        # the role's argv for `dflash service sandbox`, and that verb's decision (its real code) for this host
+        args = render_role_var(
+            "trainer_service",
+            "trainer_service_sandbox_args",
+            {**values, "inventory_hostname": host, "ansible_local": {"dflash": {"gpus": {"count": 8}}},
+             "ansible_facts": {"interfaces": ["ens5"], "ens5": ens5[rank]}},
+        )  # fmt: skip
+        assert args[args.index("--node-rank") + 1] == str(rank)
+        assert [a for a in args if a.startswith("--node-address=")] == [
+            "--node-address=10.9.0.11",
+            "--node-address=10.9.0.12",
+        ]
+        sandbox = decide(
+            {"gpus": {"count": 8}},
+            {},
+            node_rank=rank,
+            node_addresses=["10.9.0.11", "10.9.0.12"],
+            interfaces=[ens5[rank]],
+            socket_ifname="ens5",
+        )
+        values["trainer_service_sandbox"] = sandbox
         argv = render_role_var(
             "trainer_service", "trainer_service_exec", {**values, "inventory_hostname": host}
         )
@@ -323,17 +372,18 @@ def test_a_multi_node_group_runs_torchrun_with_a_c10d_rendezvous_on_its_first_no
             "trainer_service", "trainer_service_env_all", {**values, "inventory_hostname": host}
         )
         assert env["DFLASH_NODE_RANK"] == str(rank) and env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
-    allow = render_role_var("trainer_service", "trainer_service_ip_allow", values)
-    assert allow == ["localhost", "10.9.0.11", "10.9.0.12"]
+    assert sandbox["ip_allow"] == ["localhost", "10.9.0.11", "10.9.0.12", "10.9.0.0/24"]
     assert env["GLOO_SOCKET_IFNAME"] == env["NCCL_SOCKET_IFNAME"] == "ens5"
     one = {k: v for k, v in values.items() if k not in ("dflash_nodes", "trainer_service_socket_ifname")}
     one["inventory_hostname"] = "gpu-b"
+    one["trainer_service_sandbox"] = decide({"gpus": {"count": 8}}, {})
     argv = render_role_var("trainer_service", "trainer_service_exec", one)
-    assert "--standalone" in argv and not any(a.startswith("--nnodes") for a in argv)
-    assert render_role_var("trainer_service", "trainer_service_ip_allow", one) == ["localhost"]
-    assert not {"GLOO_SOCKET_IFNAME", "DFLASH_NODE_RANK"} & set(
-        render_role_var("trainer_service", "trainer_service_env_all", one)
-    )
+    # one node: torchrun's store and MASTER_ADDR on loopback (not the host's FQDN), behind a loopback filter
+    assert "--standalone" in argv and "--local-addr=127.0.0.1" in argv
+    assert not any(a.startswith("--nnodes") for a in argv)
+    assert one["trainer_service_sandbox"]["ip_allow"] == ["localhost"]
+    env = render_role_var("trainer_service", "trainer_service_env_all", one)
+    assert env["GLOO_SOCKET_IFNAME"] == env["NCCL_SOCKET_IFNAME"] == "lo" and "DFLASH_NODE_RANK" not in env
 
 
 def test_a_node_the_plan_splits_gets_a_vllm_source_and_trainers_on_the_other_gpus():
@@ -361,6 +411,7 @@ def test_a_node_the_plan_splits_gets_a_vllm_source_and_trainers_on_the_other_gpu
         input=yaml.safe_dump(plan_config), capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip
     values["trainer_service_layout"] = json.loads(plan)
+    values["trainer_service_sandbox"] = {"local_addr": "127.0.0.1"}  # (test_sandbox.py: its decision)
     rendered = render_role_var("trainer_service", "trainer_service_rendered_config", values)
     assert rendered["target"] == {
         **run_config["target"],
@@ -427,3 +478,63 @@ def test_nothing_is_compressed_on_its_way_to_a_node():
         compress = args.get("compress")
         assert compress is False or compress == "{{ data_sync_compress }}", (role, name, compress)
     assert load(ROLES / "data_sync" / "defaults" / "main.yml")["data_sync_compress"] is False
+
+
+@pytest.mark.parametrize(
+    "role, name, values",
+    [
+        (
+            "trainer_service",
+            "trainer_service_env_all",
+            {
+                "dflash_root": "/opt/dflash",
+                "trainer_service_layout": {"data_parallel": 1},
+                "trainer_service_sandbox": {"env": {}, "local_addr": "127.0.0.1"},
+            },
+        ),
+        (
+            "regenerate_job",
+            "regenerate_job_engine_env_all",
+            {"dflash_root": "/opt/dflash", "regenerate_job_gpus": 1},
+        ),
+    ],
+)
+def test_the_toolchain_env_outlives_the_play_that_decided_it(role, name, values):
+    """trainer_service / regenerate_job in a later ansible-playbook call, without python_env: the
+    environment python_env decided comes from the node's local facts (dflash_toolchain.fact); the play's own
+    decision wins over what the node kept; neither: nothing."""
+    pin = {"TRITON_PTXAS_BLACKWELL_PATH": "/opt/dflash/venv/lib/python3.12/site-packages/triton/ptxas"}
+    kept = {"ansible_local": {"dflash": {}, "dflash_toolchain": {"env": pin}}}
+    assert (
+        render_role_var(role, name, {**values, **kept})["TRITON_PTXAS_BLACKWELL_PATH"]
+        == pin["TRITON_PTXAS_BLACKWELL_PATH"]
+    )
+    now = {**kept, "python_env_toolchain_env": {}}  # this play's python_env: a CUDA 13 driver needs no pin
+    assert "TRITON_PTXAS_BLACKWELL_PATH" not in render_role_var(role, name, {**values, **now})
+    for nothing in ({}, {"ansible_local": {"dflash": {}}}):
+        assert "TRITON_PTXAS_BLACKWELL_PATH" not in render_role_var(role, name, {**values, **nothing})
+    # python_env keeps it where these roles load their local facts from
+    tasks = load(ROLES / "python_env" / "tasks" / "toolchain.yml")
+    (write,) = [t for t in tasks if "ansible.builtin.copy" in t]
+    assert write["ansible.builtin.copy"]["dest"] == "{{ python_env_fact_dir }}/dflash_toolchain.fact"
+    assert "python_env_toolchain.env" in write["ansible.builtin.copy"]["content"]
+    fact_dir = load(ROLES / "python_env" / "defaults" / "main.yml")["python_env_fact_dir"]
+    assert fact_dir == "{{ gpu_facts_fact_dir | default('/etc/ansible/facts.d') }}"
+    setup = [t for t in load(ROLES / role / "tasks" / "main.yml") if "ansible.builtin.setup" in t]
+    assert setup[0]["ansible.builtin.setup"]["fact_path"] == "{{ gpu_facts_fact_dir | default(omit) }}"
+
+
+def test_a_driver_install_is_followed_by_a_second_probe():
+    """A bare node's facts say "no driver yet": after nvidia_driver installs one (and reboots), gpu_facts runs
+    again so cuda_toolkit, python_env and the unit decide on the GPUs the driver shows."""
+    tasks = load(ROLES / "nvidia_driver" / "tasks" / "main.yml")
+    names = [next(k for k in t if k.startswith("ansible.")) for t in tasks]
+    install = next(i for i, t in enumerate(tasks) if t.get("register") == "nvidia_driver_install")
+    flush = names.index("ansible.builtin.meta")
+    (again,) = [i for i, n in enumerate(names) if n == "ansible.builtin.include_role"]
+    assert install < flush < again and tasks[again]["ansible.builtin.include_role"]["name"] == "gpu_facts"
+    assert "nvidia_driver_install is changed" in tasks[again]["when"]
+    assert [p["roles"] for p in load(REPO / "playbooks" / "provision.yml")][0][:2] == [
+        {"role": "gpu_facts"},
+        {"role": "nvidia_driver"},
+    ]

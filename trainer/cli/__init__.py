@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
 def verb_name(args: argparse.Namespace) -> str:
     """`salvage stop`, `s3 pull`, `manifest verify`, `eval`: the words a user typed, for messages."""
     words = [args.verb]
-    for attr in ("salvage_verb", "s3_cmd", "manifest_cmd", "gpu_cmd"):
+    for attr in ("salvage_verb", "s3_cmd", "manifest_cmd", "gpu_cmd", "service_cmd"):
         if getattr(args, attr, None):
             words.append(getattr(args, attr))
     return " ".join(words)

@@ -20,6 +20,12 @@ def _plan(args) -> int:
     return cmd_plan(args)
 
 
+def _service_sandbox(args) -> int:
+    from trainer.layout.sandbox import cmd_sandbox
+
+    return cmd_sandbox(args)
+
+
 def _s3(args) -> int:
     from trainer.s3.pull import pull
     from trainer.s3.push import push_folder
@@ -135,7 +141,8 @@ def _gpu_facts(args) -> int:
 
     query = args.query_text if args.query_text is not None else _read(args.query)
     smi = args.smi_text if args.smi_text is not None else _read(args.smi)
-    facts = build_facts(query, smi)
+    container = {"yes": True, "no": False}.get(args.container)
+    facts = build_facts(query, smi, pci=args.pci_text, container=container)
     expected = _json(args.expected, "--expected") if args.expected else {}
     facts["expected_mismatch"] = check_expected(facts, expected)
     print(json.dumps(facts, indent=1))
@@ -143,7 +150,7 @@ def _gpu_facts(args) -> int:
 
 
 def _gpu_decide(args) -> int:
-    from trainer.layout import cuda_build
+    from trainer.layout import cuda_build, toolchain
     from trainer.layout.gpus import GpuFactsError, decide
 
     facts = _json(_read(args.facts) or "{}", args.facts)
@@ -159,6 +166,8 @@ def _gpu_decide(args) -> int:
         toolkit_wanted=args.toolkit_wanted == "yes",
     )
     out["torch"] = cuda_build.for_decision(gpus, out)
+    recon = facts if "gpus" in facts else {"gpus": gpus}
+    out["toolchain"] = toolchain.decide(recon, out, args.venv_python, args.site_packages or None)
     print(json.dumps(out, indent=1))
     return 0
 
@@ -269,6 +278,35 @@ def register(sub) -> None:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_plan)
 
+    p = sub.add_parser("service", help="what the trainer's service needs from its node")
+    vsub = p.add_subparsers(dest="service_cmd", required=True, metavar="ACTION")
+    v = vsub.add_parser(
+        "sandbox",
+        help="JSON for the unit: device nodes (every NVIDIA naming, InfiniBand), LimitMEMLOCK, the IP "
+        "filter and the ranks' network environment (gloo/NCCL/vLLM, torchrun's --local-addr)",
+    )
+    which = v.add_mutually_exclusive_group(required=True)
+    which.add_argument("--facts", metavar="RECON_JSON", help="this node's reports/<host>/recon.json")
+    which.add_argument("--facts-json", metavar="JSON", help="the same facts as text (ansible_local.dflash)")
+    v.add_argument(
+        "--config", metavar="RUN", help="the run config, JSON or YAML ('-': stdin): report_to, trackers"
+    )
+    v.add_argument("--node-rank", type=count, default=0, help="this node's rank (several nodes)")
+    v.add_argument(
+        "--node-address",
+        action="append",
+        metavar="ADDR",
+        help="each node's cluster address, in rank order (once per node; none: one node)",
+    )
+    v.add_argument(
+        "--interfaces",
+        metavar="JSON",
+        help="this node's interfaces as Ansible's facts (ansible_facts[IFACE])",
+    )
+    v.add_argument("--socket-ifname", default="", help="the interface gloo/NCCL use (default: decided)")
+    v.add_argument("--no-ip-filter", action="store_true", help="the unit has no IP filter")
+    v.set_defaults(func=_service_sandbox)
+
     p = sub.add_parser(
         "manifest", help="sha256 manifest of a folder: create one, or verify a copy against one"
     )
@@ -353,6 +391,17 @@ def register(sub) -> None:
     f.add_argument("--smi", help="file with plain `nvidia-smi` output (for the driver's CUDA version)")
     f.add_argument("--query-text", help="the same output as a string (the gpu_facts role passes it so)")
     f.add_argument("--smi-text", help="plain nvidia-smi output as a string")
+    f.add_argument(
+        "--pci-text",
+        help="the NVIDIA PCI functions, 'BUS CLASS' per line or comma (gpu_facts' probe of "
+        "/sys/bus/pci): counts the GPUs before a driver is installed (absent: not looked at)",
+    )
+    f.add_argument(
+        "--container",
+        choices=["yes", "no", "unknown"],
+        default="unknown",
+        help="recon ran in a container (its PCI bus is the host's: no driver is installed there)",
+    )
     f.add_argument("--expected", help="JSON of the group's expected_gpu_* vars to compare with")
     f.set_defaults(func=_gpu_facts)
     d = gsub.add_parser(
@@ -373,4 +422,14 @@ def register(sub) -> None:
     )
     d.add_argument("--secure-boot", choices=["yes", "no", "unknown"], default="unknown")
     d.add_argument("--toolkit-installed", help="version of an installed CUDA toolkit (nvcc), if any")
+    d.add_argument(
+        "--venv-python",
+        choices=["managed", "system"],
+        default="managed",
+        help="the venv's interpreter: uv's (ships Python.h) or the system python3 (needs python3-dev)",
+    )
+    d.add_argument(
+        "--site-packages",
+        help="the venv's site-packages on the node (the toolchain's env names Triton's ptxas there)",
+    )
     d.set_defaults(func=_gpu_decide)

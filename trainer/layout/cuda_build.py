@@ -13,7 +13,9 @@ Rules:
 - A build that knows the GPU's architecture (Blackwell needs CUDA >= 12.8).
 - Among those: the newest the driver runs natively; else (a driver older than every build of its major,
   e.g. 550 = CUDA 12.4) the oldest one above it, the least it leans on minor-version compatibility.
-- No GPU: the CPU build. A driver too old for every build: refused, with the reason.
+- No GPU: the CPU build. A bare node (GPUs on the PCI bus, no driver yet): the build of the branch
+  nvidia_driver installs (the compute capability is unknown until the driver runs).
+- A driver too old for every build: refused, with the reason.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 from trainer.layout.gpus import (
     cuda_arch_problem,
     driver_cuda,
+    gpu_count,
     min_driver_for_cuda,
     parse_version,
 )
@@ -55,7 +58,7 @@ def cpu_build(reason: str) -> dict[str, Any]:
 def choose(gpus: dict[str, Any], driver: str | None) -> dict[str, Any]:
     """The torch/vLLM build for a host with these GPU facts and `driver` (its working driver, or the
     branch nvidia_driver installs; None: no driver the node will have)."""
-    if not gpus.get("count"):
+    if not gpu_count(gpus):
         return cpu_build("no NVIDIA GPU on this host: the CPU build")
     if not driver:
         return _refuse("no NVIDIA driver on this host and none to install (see the driver decision)")

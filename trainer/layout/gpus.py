@@ -60,6 +60,12 @@ ARCH_BY_CC_MAJOR = {
 }
 
 
+# sysfs `class` prefixes (0xCCSS..) of an NVIDIA (vendor 0x10de) GPU on the PCI bus: 3D controller (the
+# datacenter boards) or VGA controller (a card with display outputs). NVSwitches are bridges (0x0680,
+# toolchain.py). The bus shows them before any driver loads: how recon tells a bare GPU node from a CPU one.
+PCI_GPU_CLASSES = ("0x0302", "0x0300")
+
+
 class GpuFactsError(DflashError, ValueError):
     """nvidia-smi output that cannot be read; the message quotes the offending line."""
 
@@ -121,6 +127,36 @@ def parse_smi_banner(text: str) -> dict[str, str | None]:
     return {"driver": drv.group(1) if drv else None, "driver_cuda": cuda.group(1) if cuda else None}
 
 
+def parse_pci(text: str) -> list[str]:
+    """Bus ids of the NVIDIA GPUs in the gpu_facts probe's PCI lines: "BUS CLASS", one per NVIDIA (vendor
+    0x10de) PCI function, e.g. "0000:18:00.0 0x030200", separated by newlines or commas (the role joins
+    them with commas); other classes (NVSwitches, audio) are not GPUs."""
+    found = []
+    for line in re.split(r"[\n,]", text):
+        cells = line.split()
+        if not cells:
+            continue
+        if len(cells) != 2 or not re.fullmatch(r"0x[0-9a-fA-F]{6}", cells[1]):
+            raise GpuFactsError(f"expected a PCI bus id and its class (0xCCSSPP), got {line.strip()!r}")
+        if cells[1].lower().startswith(PCI_GPU_CLASSES):
+            found.append(cells[0])
+    return found
+
+
+def driverless_gpus(gpus: dict[str, Any]) -> int:
+    """NVIDIA GPUs the PCI bus shows while nvidia-smi lists none: a node before its driver. 0 when
+    nvidia-smi lists GPUs, when recon did not look (an older recon.json), and in a container (its PCI bus
+    is the host's, and so is its driver: no driver is installed inside one)."""
+    if gpus.get("count") or gpus.get("container"):
+        return 0
+    return int(gpus.get("pci_gpus") or 0)
+
+
+def gpu_count(gpus: dict[str, Any]) -> int:
+    """The host's NVIDIA GPUs: nvidia-smi's, else the PCI bus's before a driver is installed."""
+    return int(gpus.get("count") or 0) or driverless_gpus(gpus)
+
+
 def min_driver_for_cuda(cuda: str) -> int:
     major = parse_version(cuda)[0]
     if major not in MIN_DRIVER_FOR_CUDA_MAJOR:
@@ -165,10 +201,14 @@ def build_facts(
     query: str | None,
     banner: str | None = None,
     host: dict[str, Any] | None = None,
+    pci: str | None = None,
+    container: bool | None = None,
 ) -> dict[str, Any]:
     """Normalized GPU facts of one host (the `gpus` part of reports/<host>/recon.json).
 
-    query=None or "" means nvidia-smi was absent or failed: a host with zero GPUs."""
+    query=None or "" means nvidia-smi was absent or failed: no GPU it can see. `pci` is the probe's PCI
+    lines (parse_pci; None: not looked at): `pci_gpus` counts the NVIDIA GPUs there, driver or not, so a
+    bare node (no driver yet) is told from a CPU host. `container`: recon ran inside one."""
     gpus = parse_query(query) if query else []
     ban = parse_smi_banner(banner or "")
     names = sorted({g.name for g in gpus})
@@ -184,6 +224,8 @@ def build_facts(
         "compute_cap": min({g.compute_cap for g in gpus}) if gpus else None,
         "mixed": len(names) > 1,
         "devices": [asdict(g) for g in gpus],
+        "pci_gpus": len(parse_pci(pci)) if pci is not None else None,
+        "container": container,
     }
     if gpus:
         cc_major = parse_version(facts["compute_cap"])[0]
@@ -199,8 +241,14 @@ def check_expected(gpus: dict[str, Any], expected: dict[str, Any]) -> list[str]:
     """Mismatches between a host's GPU facts and its group's expected_* vars (empty: as expected)."""
     problems = []
     count = expected.get("expected_gpu_count")
-    if count is not None and gpus["count"] != int(count):
-        problems.append(f"expected {count} GPUs, found {gpus['count']}")
+    bare = driverless_gpus(gpus)
+    if count is not None and bare and bare != int(count):
+        problems.append(f"expected {count} GPUs, found {bare} on the PCI bus (no driver yet)")
+    elif count is not None and not bare and gpus["count"] != int(count):
+        found = f"expected {count} GPUs, found {gpus['count']}"
+        if gpus.get("pci_gpus") and gpus.get("container"):
+            found += f" (the PCI bus shows {gpus['pci_gpus']}: a container started without its GPUs?)"
+        problems.append(found)
     model = expected.get("expected_gpu_model")
     if model and gpus["count"] and gpus["model"] != model:
         problems.append(f"expected GPU model {model!r}, found {gpus['model']!r}")
@@ -223,6 +271,8 @@ def decide(
 ) -> dict[str, Any]:
     """What nvidia_driver and cuda_toolkit should do on a host with these GPU facts.
 
+    A bare node (NVIDIA GPUs on the PCI bus, none listed by nvidia-smi: no driver yet) gets the driver;
+    its compute capability is known once the driver runs (gpu_facts probes again after the install).
     driver.action: skip (no GPU) | keep (a working driver: always left alone) | install (no working
     driver: the pinned branch) | refuse (Secure Boot on with no driver: an unsigned module would not
     load; or a pinned branch that cannot run a pinned `cuda_version`).
@@ -231,19 +281,33 @@ def decide(
     the driver runs (`cuda_version` in the answer says which).
     """
     out: dict[str, Any] = {"driver_branch": driver_branch, "cuda_version": cuda_version}
-    if not gpus.get("count"):
-        reason = "no NVIDIA GPU on this host (nvidia-smi absent or lists none)"
+    bare = driverless_gpus(gpus)
+    if not gpu_count(gpus):
+        reason = "no NVIDIA GPU on this host (nvidia-smi absent or lists none"
+        if gpus.get("pci_gpus") and gpus.get("container"):
+            reason += (
+                f"; the PCI bus shows {gpus['pci_gpus']}, but this is a container: its driver is the "
+                "host's, none is installed in it; start it with its GPUs"
+            )
+        elif gpus.get("pci_gpus") is not None:
+            reason += ", and the PCI bus shows none"
+        reason += ")"
         out["driver"] = {"action": "skip", "reason": reason}
         out["cuda"] = {"action": "skip", "reason": reason}
         return out
-    driver = gpus.get("driver")
+    driver = gpus.get("driver") if gpus.get("count") else None
+    missing = (
+        f"nvidia-smi lists no GPU and the PCI bus shows {bare} NVIDIA GPU(s): no driver yet"
+        if bare
+        else "no working driver"
+    )
     if driver:
         out["driver"] = {"action": "keep", "reason": f"working driver {driver}: left alone"}
         effective = driver
     elif secure_boot:
         out["driver"] = {
             "action": "refuse",
-            "reason": "Secure Boot is enabled and no NVIDIA driver is loaded: an unsigned kernel module "
+            "reason": f"{missing}; Secure Boot is enabled: an unsigned kernel module "
             "would not load. Disable Secure Boot or enroll a MOK key, then re-run (docs: Troubleshooting)",
         }
         effective = None
@@ -255,7 +319,7 @@ def decide(
         }
         effective = None
     else:
-        out["driver"] = {"action": "install", "reason": f"no working driver: install branch {driver_branch}"}
+        out["driver"] = {"action": "install", "reason": f"{missing}: install branch {driver_branch}"}
         effective = str(driver_branch)
     runs = driver_cuda(effective, gpus.get("driver_cuda") if driver else None) if effective else None
     cuda = cuda_version or runs
