@@ -186,7 +186,8 @@ else:
     import socket
     import torch
     import torch.distributed as dist
-    dist.init_process_group("gloo")
+    from datetime import timedelta
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))  # a filtered rank fails, not hangs
     t = torch.ones(1)
     dist.all_reduce(t)
     out = {"rank": dist.get_rank(), "sum": t.item(), "master": os.environ["MASTER_ADDR"],
@@ -204,7 +205,7 @@ def in_a_copy_of_the_unit(bed, host, command: str, result: str) -> dict:
     host.ssh(
         bed,
         f"sed -e 's|^ExecStart=.*|ExecStart={command}|' "
-        "-e 's|^Type=exec|Type=oneshot\\nTimeoutStartSec=300|' "
+        "-e 's|^Type=exec|Type=oneshot\\nTimeoutStartSec=150|' "
         f"-e 's|^Restart=on-failure|Restart=no|' -e '/^RestartPreventExitStatus/d' {UNIT} "
         f"> /etc/systemd/system/dflash-probe.service && systemctl daemon-reload && rm -f {result}",
     )
@@ -233,15 +234,12 @@ def probe_the_sandbox(bed, host, first):
     from tests.unit.test_role_contracts import render_role_var
 
     unit = host.ssh(bed, f"cat {UNIT}").stdout
-    assert "DevicePolicy=closed" in unit and "DeviceAllow=/dev/nvidia0 rw" in unit, unit
-    assert "DeviceAllow=char-nvidia* rw" in unit and "char-nvidia-frontend" not in unit
     host.ssh(bed, f"cat > /opt/dflash/probe.py <<'EOF'\n{PROBE}EOF\nchmod 644 /opt/dflash/probe.py")
     run = "/opt/dflash/runs/tiny"
     dev = in_a_copy_of_the_unit(
         bed, host, f"/opt/dflash/venv/bin/python /opt/dflash/probe.py devices {run}/probe-devices.json",
         f"{run}/probe-devices.json",
     )  # fmt: skip
-    assert dev == {"/dev/nvidia0": "ENXIO", "/dev/nvidiactl": "ENXIO"}, dev
     settled = [r for r in first.task_results("Settle the sandbox") if "ansible_facts" in r]
     sandbox = settled[0]["ansible_facts"]["trainer_service_sandbox"] if settled else {}
     launch = render_role_var(
@@ -258,7 +256,14 @@ def probe_the_sandbox(bed, host, first):
             f"{run}/probe-gloo.json",
             f"{run}/probe-gloo.json",
         )  # fmt: skip
+    except AssertionError as exc:  # no result: the ranks never met; said beside the devices' verdict below
+        ranks = {"error": str(exc)[-1500:]}
     finally:
         host.ssh(bed, "cat /root/hosts.orig > /etc/hosts", check=False)
-    assert ranks["fqdn_addr"] == addr and ranks["sum"] == 2.0, ranks
+    # both behaviours first (a reverted unit shows both failing in one message), then the rendered lines
+    got = {"devices": dev, "gloo": ranks}
+    assert dev == {"/dev/nvidia0": "ENXIO", "/dev/nvidiactl": "ENXIO"} and ranks.get("sum") == 2.0, got
+    assert ranks["fqdn_addr"] == addr, ranks
+    assert "DevicePolicy=closed" in unit and "DeviceAllow=/dev/nvidia0 rw" in unit, unit
+    assert "DeviceAllow=char-nvidia* rw" in unit and "char-nvidia-frontend" not in unit
     host.ssh(bed, "rm -f /etc/systemd/system/dflash-probe.service && systemctl daemon-reload")

@@ -187,6 +187,7 @@ def evaluate_tree(
     bar.close()
     agg = aggregate(results, block)
     nodes = [n for r in results for n in r.tree_nodes]
+    calls = [n for r in results for n in r.target_forwards]
     verdicts = {i: classify(results[i].tokens, results[i].verified, ref) for i, ref in greedy_ref.items()}
     return {
         "budget": budget,
@@ -196,6 +197,8 @@ def evaluate_tree(
         "rounds": agg["rounds"],
         "per_depth_acceptance": agg["per_position_acceptance"],
         "target_tokens_per_round": (1 + sum(nodes) / len(nodes)) if nodes else None,
+        # 1 on a dense target; a hybrid's tree is walked by chains (trainer/eval/tree.py walk_tree)
+        "target_forwards_per_round": (sum(calls) / len(calls)) if calls else None,
         "tokens_per_s": agg["tokens_per_s"],
         "lossless": summarise(verdicts, next(iter(greedy_ref.values()), None)),
     }

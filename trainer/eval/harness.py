@@ -8,8 +8,9 @@
 3. the target verifies `[anchor, drafts]` in one forward on its KV cache; `accepted` = the length of
    the prefix of drafts equal to the target's own greedy tokens; the accepted drafts and the
    target's bonus token are committed (accepted + 1 tokens); both caches are cropped to the
-   committed context and the verify forward's features of the newly committed positions become
-   context;
+   committed context (a hybrid target's linear-attention states restored and advanced over the
+   committed tokens: trainer/eval/recurrent.py) and the verify forward's features of the newly
+   committed positions become context;
 4. until max_new_tokens are committed or a stop token is.
 
 Lossless by construction: every committed token is the target's greedy token at its position.
@@ -39,6 +40,7 @@ class PromptResult:
     stopped: str = "length"  # length | stop_token
     tree_nodes: list[int] = field(default_factory=list)  # per round, tree verification only
     verified: list[int] = field(default_factory=list)  # the verify forward's own choice per committed token
+    target_forwards: list[int] = field(default_factory=list)  # per round, tree verification only
 
     @property
     def rounds(self) -> int:
@@ -176,8 +178,8 @@ def speculate(
         tokens.extend(drafts[:acc] + [pred[acc]])
         verified.extend(pred[: acc + 1])
         pending = feats[:, : acc + 1]  # anchor + accepted drafts: positions n..n+acc
+        target.keep(tcache, n, acc + 1, block_size)  # a hybrid's linear layers: trainer/eval/recurrent.py
         n += acc + 1
-        crop_cache(tcache, n)
     out, why = finish_generation(tokens, max_new, stop_ids)
     return PromptResult(len(prompt), out, accepted, time.perf_counter() - t0, why, verified=verified)
 

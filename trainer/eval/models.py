@@ -20,7 +20,9 @@ from pathlib import Path
 import torch
 
 from trainer.errors import DflashError
-from trainer.sources.hooked import aux_module, base_model, resolve_dtype
+from trainer.eval.layer_masks import verify_cache, verify_mask
+from trainer.eval.recurrent import RecurrentRollback, linear_mixers
+from trainer.sources.hooked import aux_module, base_model, load_language_model, resolve_dtype
 
 
 class ModelError(DflashError, ValueError):
@@ -31,7 +33,12 @@ class HookedTarget:
     """`load_kwargs`: more arguments for `from_pretrained`, e.g. `device_map="auto"` and `max_memory`
     per GPU from trainer/layout/inference.py (`resolve_harness`) for a target larger than one GPU: its
     layers spread over the GPUs, and what a forward returns (greedy tokens, aux features) is brought to
-    `device`, where the drafter runs."""
+    `device`, where the drafter runs.
+
+    A hybrid target (linear-attention layers: Qwen3.5/3.6, Qwen3-Next) gets a `RecurrentRollback`
+    (trainer/eval/recurrent.py): every forward continuing a cache snapshots its linear-attention states
+    first, and `keep` rolls them back after a rejected draft. A multimodal wrapper is loaded as its
+    language model alone (trainer/sources/hooked.py `load_language_model`)."""
 
     def __init__(
         self,
@@ -47,9 +54,8 @@ class HookedTarget:
         hf_logging.set_verbosity_error()
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, self.device)
-        self.model = AutoModelForCausalLM.from_pretrained(
-            str(target_dir), dtype=self.dtype, attn_implementation="sdpa", **(load_kwargs or {})
-        )
+        kwargs = {"dtype": self.dtype, "attn_implementation": None, **(load_kwargs or {})}
+        self.model = load_language_model(AutoModelForCausalLM, target_dir, **kwargs)  # a VLM: its LM alone
         if not (load_kwargs or {}).get("device_map"):
             self.model.to(self.device)
         self.model.eval().requires_grad_(False)
@@ -59,10 +65,25 @@ class HookedTarget:
         bad = [k for k in self.aux_ids if not 0 <= k <= self.num_layers]
         if bad:
             raise ModelError(f"drafter aux ids {bad} are outside the target's depth [0, {self.num_layers}]")
+        mixers = linear_mixers(self.model)
+        self.rollback = RecurrentRollback(mixers) if mixers else None
         self._store: dict[int, torch.Tensor] = {}
         for k in sorted(set(self.aux_ids)):
             module = aux_module(self.base, k)
             module.register_forward_hook(self._hook(k))
+
+    @property
+    def hybrid(self) -> bool:
+        """The target has linear-attention (recurrent) layers: no tree attention, rollback by re-run."""
+        return self.rollback is not None
+
+    def keep(self, cache, past: int, keep: int, forwarded: int) -> None:
+        """After a forward of `forwarded` tokens continuing `past` cached positions: keep the first
+        `keep` of them in `cache` (crop the KV; a hybrid's linear layers restored and re-run)."""
+        if self.rollback is not None:
+            self.rollback.rollback(cache, past, keep, forwarded)
+        else:
+            crop_cache(cache, past + keep)
 
     def _hook(self, key: int):
         def hook(_module, _args, output):
@@ -76,9 +97,16 @@ class HookedTarget:
         `attention_mask` and `position_ids` for a tree (trainer/eval/tree.py), else causal.
         Returns (greedy next token per position [n], aux features [1, n, n_aux*H] fp32, cache)."""
         self._store.clear()
-        extra = {}
+        extra, cache = {}, verify_cache(self.model, cache)  # sliding layers: trainer/eval/layer_masks.py
+        if self.rollback is not None:  # a hybrid: its linear-attention states kept for `keep`
+            if attention_mask is not None:
+                raise ModelError("a tree's attention mask cannot go through linear-attention layers")
+            self.rollback.arm(cache)
         if attention_mask is not None:
-            extra = {"attention_mask": attention_mask, "position_ids": position_ids}
+            extra = {
+                "attention_mask": verify_mask(self.model, attention_mask, position_ids),
+                "position_ids": position_ids,
+            }
         out = self.model(input_ids=input_ids.to(self.device), past_key_values=cache, use_cache=True, **extra)
         # under a device_map each aux layer's output is on its layer's GPU: gathered where the drafter is
         feats = torch.cat([self._store[k].to(self.device) for k in self.aux_ids], dim=-1).float()

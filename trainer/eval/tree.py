@@ -18,6 +18,17 @@ features at those nodes become the drafter's new context.
 
 The chain is always in the tree (it is grown first), so a budget of B-1 is the chain itself (the same
 tokens, the same acceptance as `speculate`) and a larger one never accepts less on the same round.
+
+A hybrid target (linear-attention layers, Qwen3.5/3.6) cannot verify a tree in one forward: a recurrent
+layer folds every token it sees into one state, with no mask to hide a sibling branch. Its tree is
+walked (`walk_tree`): the target verifies one root-to-leaf path as a chain (the best-scoring child at
+each step, the chain first); where the target's greedy token differs from the path's node but is another
+child of the last accepted node, the cache is rolled back to that node (trainer/eval/recurrent.py) and
+the walk goes on with a forward over that child and the best path below it. The same tokens are
+accepted as by the one-forward tree (the walk follows the target's greedy token through the same tree),
+at the cost of one more target forward per branch switch (`PromptResult.target_forwards`), each over a
+path, not the whole tree. Lossless as the chain: every committed token is the greedy token of a forward
+over the committed context.
 """
 
 from __future__ import annotations
@@ -123,6 +134,48 @@ def keep_cache_positions(cache, past: int, keep: list[int]) -> None:
         layer.values = layer.values.index_select(-2, idx)
 
 
+def best_path(nodes: list[TreeNode], children: dict[int, list[int]], here: int) -> list[int]:
+    """The path below node `here` (-1: the anchor) taking the best-scoring child at every step."""
+    path = []
+    while children.get(here):
+        here = max(children[here], key=lambda i: nodes[i].score)
+        path.append(here)
+    return path
+
+
+def walk_tree(target: HookedTarget, nodes: list[TreeNode], anchor: int, n: int, tcache):
+    """Verify the tree of a round on a hybrid target by chains (module doc). `anchor` at position `n`
+    is the committed token not yet in `tcache`. Returns (accepted node indices, bonus token, the
+    verify forwards' own choice per committed token, their features at the committed positions
+    [1, len(path)+1, ...], the cache, forwards run)."""
+    children: dict[int, list[int]] = {}
+    for i, node in enumerate(nodes):
+        children.setdefault(node.parent, []).append(i)
+    accepted: list[int] = []
+    verified: list[int] = []
+    feats_parts = []
+    here, head, forwards = -1, anchor, 0
+    while True:
+        path = best_path(nodes, children, here)
+        ids = [head, *[nodes[i].token for i in path]]
+        block = torch.tensor([ids], dtype=torch.long, device=target.device)
+        greedy, feats, tcache = target.forward(block, tcache)
+        forwards += 1
+        pred = greedy.tolist()
+        acc = next((j for j, i in enumerate(path) if nodes[i].token != pred[j]), len(path))
+        accepted += path[:acc]
+        verified += pred[: acc + 1]
+        feats_parts.append(feats[:, : acc + 1])
+        target.keep(tcache, n, acc + 1, len(path) + 1)
+        n += acc + 1
+        here = path[acc - 1] if acc else here
+        nxt = next((i for i in children.get(here, []) if nodes[i].token == pred[acc]), None)
+        if nxt is None:
+            return accepted, pred[acc], verified, torch.cat(feats_parts, dim=1), tcache, forwards
+        accepted.append(nxt)  # the target's own token, a node of the tree: the walk goes on below it
+        here, head = nxt, nodes[nxt].token
+
+
 @torch.no_grad()
 def speculate_tree(
     target: HookedTarget,
@@ -147,6 +200,7 @@ def speculate_tree(
     draft = CachedDrafter(drafter, block_size)
     accepted: list[int] = []
     sizes: list[int] = []
+    calls: list[int] = []  # target forwards per round: 1, more on a hybrid target (walk_tree)
     n = len(prompt)  # position of the current anchor = committed context length
     while not generation_done(tokens, max_new, stop_ids):
         anchor = tokens[-1]
@@ -155,6 +209,16 @@ def speculate_tree(
         draft_ids = torch.tensor([nd.token for nd in nodes], dtype=torch.long, device=dev)
         node_tokens = draft_to_target_ids(drafter, draft_ids).tolist()
         nodes = [TreeNode(nd.parent, nd.depth, t, nd.score) for nd, t in zip(nodes, node_tokens)]
+        if target.hybrid:
+            path, bonus, chose, new_feats, tcache, forwards = walk_tree(target, nodes, anchor, n, tcache)
+            accepted.append(len(path))
+            sizes.append(len(nodes))
+            calls.append(forwards)
+            tokens.extend([node_tokens[i] for i in path] + [bonus])
+            verified.extend(chose)
+            pending = new_feats
+            n += len(path) + 1
+            continue
         block = torch.tensor([[anchor, *node_tokens]], dtype=torch.long, device=dev)
         positions = torch.tensor([[n] + [n + nd.depth for nd in nodes]], dtype=torch.long, device=dev)
         greedy, feats, tcache = target.forward(
@@ -172,7 +236,15 @@ def speculate_tree(
         pending = feats[:, keep]
         n += len(path) + 1
         crop_cache(tcache, n)
+        calls.append(1)
     out, why = finish_generation(tokens, max_new, stop_ids)
     return PromptResult(
-        len(prompt), out, accepted, time.perf_counter() - t0, why, tree_nodes=sizes, verified=verified
+        len(prompt),
+        out,
+        accepted,
+        time.perf_counter() - t0,
+        why,
+        tree_nodes=sizes,
+        verified=verified,
+        target_forwards=calls,
     )

@@ -8,6 +8,11 @@ layer past the deepest needed one are skipped.
 
 A target too big for one GPU is split layer-wise over several devices (`devices`): contiguous
 layer ranges per device, activations moved between them by pre-hooks.
+
+A multimodal wrapper (Qwen3.5/3.6 ship as `Qwen3_5ForConditionalGeneration`: config.json with a
+`text_config` and a `vision_config`, weights `model.language_model.*` and `model.visual.*`) is loaded as
+its language model alone (`load_language_model`): the model is built from the text config, so the vision
+tower is never built nor read, and transformers' key renaming maps `model.language_model.*` onto it.
 """
 
 from __future__ import annotations
@@ -17,7 +22,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from trainer.errors import DflashError
 from trainer.sources.base import Captured
+
+
+class TargetLoadError(DflashError, ValueError):
+    """A target whose language model cannot be loaded as asked; the message says what is missing."""
 
 
 class _StopForward(Exception):
@@ -55,6 +65,36 @@ def _to_device(obj, device):
     return obj
 
 
+def language_model_config(target_path: Path):
+    """The text config of a multimodal wrapper (a config whose language model is a sub-config, e.g.
+    Qwen3_5Config's `text_config` beside its `vision_config`), None for a plain causal LM's config."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(target_path))
+    text = config.get_text_config(decoder=True)
+    return None if text is config else text
+
+
+def load_language_model(auto_cls, target_path: Path, **kwargs) -> nn.Module:
+    """`auto_cls.from_pretrained(target_path, **kwargs)` (AutoModel: the decoder stack without the head;
+    AutoModelForCausalLM: with it) built from the language model's config alone for a multimodal
+    wrapper (module doc): no vision (or audio) tower is built or loaded. TargetLoadError when a weight of
+    the language model is not in the checkpoint (a wrapper whose names transformers does not map onto
+    its text model would otherwise load random weights silently)."""
+    text = language_model_config(target_path)
+    if text is None:
+        return auto_cls.from_pretrained(str(target_path), **kwargs)
+    model, info = auto_cls.from_pretrained(str(target_path), config=text, output_loading_info=True, **kwargs)
+    missing = sorted(info.get("missing_keys") or [])
+    if missing:
+        raise TargetLoadError(
+            f"{target_path}: loading the language model ({type(model).__name__}) of this "
+            f"{type(text).__name__} wrapper finds {len(missing)} weight(s) missing from the checkpoint, "
+            f"e.g. {missing[:3]}: transformers does not map this checkpoint's names onto its text model"
+        )
+    return model
+
+
 def base_model(model: nn.Module) -> nn.Module:
     """The decoder stack (has .layers and .norm), whatever wrapper transformers returned."""
     for cand in (model, getattr(model, "model", None), getattr(model, "language_model", None)):
@@ -81,7 +121,7 @@ class HookedTransformersSource:
         dtype: str = "auto",
         out_device: torch.device | str = "cpu",
         devices: list[torch.device] | None = None,
-        attn_implementation: str = "sdpa",
+        attn_implementation: str | None = None,  # transformers' choice: sdpa, else eager (gpt-oss)
         need_last: bool = True,
     ):
         from transformers import AutoModel
@@ -91,8 +131,8 @@ class HookedTransformersSource:
         self.out_device = torch.device(out_device)
         self.devices = [torch.device(d) for d in (devices or [self.out_device])]
         self.dtype = resolve_dtype(dtype, self.devices[0])
-        model = AutoModel.from_pretrained(
-            str(target_path), dtype=self.dtype, attn_implementation=attn_implementation
+        model = load_language_model(
+            AutoModel, target_path, dtype=self.dtype, attn_implementation=attn_implementation
         )
         self.model = base_model(model)
         self.model.eval().requires_grad_(False)

@@ -1,0 +1,258 @@
+"""The family matrix (issue #47): one tiny target per model family, built on the spot with the
+family's own transformers config class (tests/families.py), taken through the product's commands as
+a user runs them: `dflash init` -> `dflash preflight` (the config as init wrote it) -> `dflash train`
+(hooked source, a few steps) -> `dflash eval` chain and tree (`--tree-budget`), `--check-lossless all`
+-> `dflash export` -> reload (speculators' `SpeculatorModel.from_pretrained`).
+
+Each family's target, data and run are made once (a module-scoped fixture per family) and shared by
+the phases. Each phase's outcome is checked against docs/families.md's table: the test is red when
+the table and what the product does disagree. A family the product cannot take must be refused by
+preflight (exit 2, its reason on one line), never a traceback mid-run.
+
+What the sliding-window families (gpt-oss, Gemma 3) exercise: the eval's rollback of a cache longer
+than the window and a tree's mask per layer type (trainer/eval/layer_masks.py); gpt-oss also loads
+with eager attention (its attention sinks have no sdpa path)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import re
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import tests.families as fam
+from trainer.checkpoint import read_latest
+from trainer.config import load_config
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+DOC = REPO / "docs" / "families.md"
+CPU = torch.device("cpu")
+
+
+def build_qwen3_5(path: Path) -> Path:
+    """The Qwen3.5 hybrid as shipped (the VLM wrapper), with the matrix's tokenizer and head rows."""
+    from safetensors.torch import load_file, save_file
+
+    fam.build_qwen3_5_vlm(path)
+    weights = load_file(str(path / "model.safetensors"))
+    weights["lm_head.weight"][fam.TOKENIZER_SIZE :] = 0.0  # as fam._random: the mask stays out of the data
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return fam.write_word_tokenizer(path)
+
+
+FAMILIES = {  # id in docs/families.md -> builder
+    "qwen3": fam.build_qwen3,
+    "qwen3-moe": fam.build_qwen3_moe,
+    "qwen3.5": build_qwen3_5,
+    "llama3": fam.build_llama3,
+    "gpt-oss": fam.build_gpt_oss,
+    "gemma3": fam.build_gemma3,
+}
+PHASES = ("init", "preflight", "train", "eval chain", "eval tree", "export", "reload", "vLLM")
+NEW_TOKENS = 40  # past the sliding windows (16) of gpt-oss and Gemma 3 from an 8-token prompt
+SMALL = {  # this machine's sizes for the run init wrote (the recipe's own would take minutes)
+    "drafter.num_layers": 1,
+    "drafter.block_size": 4,
+    "train.max_steps": 6,
+    "train.max_tokens_per_batch": 256,
+    "train.max_anchors": 8,
+    "train.checkpoint_every": 1000,
+}
+
+
+@dataclass
+class Run:
+    name: str
+    root: Path
+    target: Path
+    data: Path
+    config: Path
+    prompts: Path
+    init: subprocess.CompletedProcess
+
+    def overrides(self) -> list[str]:
+        return [x for k, v in SMALL.items() for x in ("--set", f"{k}={v}")]
+
+
+def dflash(*args) -> subprocess.CompletedProcess:
+    """`dflash ARGS` in this process on one torch thread (imports paid once; two threads on 2 busy cores
+    slow each other), output captured like a subprocess's."""
+    from trainer.cli import main
+
+    out, err, before = io.StringIO(), io.StringIO(), torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main([str(a) for a in args])
+    finally:
+        torch.set_num_threads(before)
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
+def doc_table() -> dict[str, dict[str, str]]:
+    """docs/families.md's matrix: family id (the backticked name in the first cell) -> phase -> cell."""
+    rows: dict[str, dict[str, str]] = {}
+    lines = [ln for ln in DOC.read_text().splitlines() if ln.startswith("|")]
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    assert tuple(header[1:]) == PHASES, f"docs/families.md's columns are {header[1:]}, expected {PHASES}"
+    for line in lines[2:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        name = re.search(r"`([^`]+)`", cells[0])
+        assert name, f"docs/families.md: no `family id` in {cells[0]!r}"
+        rows[name.group(1)] = dict(zip(PHASES, cells[1:]))
+    return rows
+
+
+def agree(run: Run, phase: str, observed: str) -> None:
+    """The observed outcome ("works" or "refused: why") is what the docs' table says for this cell."""
+    cell = doc_table()[run.name][phase]
+    kind = observed.split(":")[0]
+    assert cell.lower().startswith(kind), (
+        f"{run.name} × {phase}: the product {observed!r}, docs/families.md says {cell!r}"
+    )
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def run(request, tmp_path_factory) -> Run:
+    """The family's tiny target (with its tokenizer), its own greedy data (made by `dflash
+    regenerate`'s generation path) and the config `dflash init` wrote for them."""
+    from trainer.demo.synth import greedy_dataset
+    from trainer.eval.prompts import write_prompt_file
+
+    name = request.param
+    root = tmp_path_factory.mktemp(f"family-{name}")
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        target = FAMILIES[name](root / "target")
+        rng = np.random.default_rng(0)
+        prompts = [rng.integers(4, fam.TOKENIZER_SIZE, size=8).tolist() for _ in range(16)]
+        data = greedy_dataset(target, prompts, 24, root / "data")
+    finally:
+        torch.set_num_threads(before)
+    ptxt = write_prompt_file(root / "prompts.jsonl", [{"input_ids": p} for p in prompts[:3]])
+    cfg = root / "run.yaml"
+    init = dflash("init", "--target", target, "--data", data, "--out", cfg)
+    return Run(name, root, target, data, cfg, ptxt, init)
+
+
+@pytest.fixture(scope="module")
+def trained(run) -> subprocess.CompletedProcess:
+    """`dflash train` on the config init wrote, at this machine's sizes: once per family."""
+    return dflash("train", "--config", run.config, *run.overrides())
+
+
+@pytest.fixture(scope="module")
+def exported(run, trained) -> subprocess.CompletedProcess:
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    return dflash("export", "--checkpoint", run.root / "out", "--out", run.root / "export")
+
+
+def test_init(run):
+    if run.init.returncode == 2:
+        agree(run, "init", "refused: " + run.init.stderr.strip())
+        return
+    assert run.init.returncode == 0, run.init.stdout + run.init.stderr
+    agree(run, "init", "works")
+    text = run.config.read_text()
+    assert "mask_token_id: 500" in text, text  # the first row past the 500-id tokenizer
+
+
+def test_preflight_takes_the_config_init_wrote(run):
+    res = dflash("preflight", "--config", run.config, "--json")
+    report = json.loads(res.stdout)
+    if res.returncode == 2:
+        reasons = [e["message"] for e in report["errors"]]
+        agree(run, "preflight", "refused: " + "; ".join(reasons))
+        return
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert report["warnings"] == [], report["warnings"]
+    agree(run, "preflight", "works")
+
+
+def test_train_hooked(run, trained):
+    from trainer.events import load_events
+
+    res = trained
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    out = run.root / "out"
+    events = load_events(out / "events.jsonl")
+    steps = [e for e in events if e["event"] == "step"]
+    assert len(steps) == SMALL["train.max_steps"] and all(np.isfinite(e["loss"]) for e in steps)
+    assert read_latest(out) is not None
+    agree(run, "train", "works")
+
+
+def test_training_targets_are_the_targets_own_greedy_tokens(run, trained):
+    """The drafter's frozen verifier head on the hooked source's last hidden state (the final norm's
+    input) gives the target's own greedy tokens: the family's final norm convention (Gemma's 1 + w),
+    tied head and hidden-state capture are what the training targets are made of."""
+    from transformers import AutoModelForCausalLM
+
+    from trainer.eval.models import load_drafter
+    from trainer.sources.hooked import base_model
+
+    drafter = load_drafter(read_latest(run.root / "out"), run.target, CPU)
+    model = AutoModelForCausalLM.from_pretrained(str(run.target)).eval()
+    seen = {}
+    base_model(model).norm.register_forward_pre_hook(lambda _m, args: seen.update(h=args[0]))
+    ids = torch.tensor([[5 + (7 * i) % 480 for i in range(40)]])
+    with torch.no_grad():
+        greedy = model(input_ids=ids).logits.argmax(-1)
+        mine = drafter.verifier_lm_head(drafter.verifier_norm(seen["h"])).argmax(-1)
+    assert torch.equal(mine, greedy), f"{run.name}: {(mine != greedy).float().mean():.0%} of targets differ"
+
+
+def test_eval_chain_and_tree_are_lossless(run, trained):
+    out = run.root / "eval" / "report.json"
+    args = ["eval", "--drafter", run.root / "out", "--target", run.target, "--prompts", run.prompts]
+    more = ["--max-new-tokens", NEW_TOKENS, "--ignore-eos", "--check-lossless", "all", "--tree-budget", 8]
+    res = dflash(*args, *more, "--out", out)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rep = json.loads(out.read_text())
+    assert rep["lossless"]["ok"] and rep["lossless"]["checked"] == 3, rep["lossless"]
+    assert rep["rounds"] > 0 and len(rep["per_position_acceptance"]) == 3
+    agree(run, "eval chain", "works")
+    (tree,) = rep["trees"]
+    assert tree["budget"] == 8 and tree["lossless"]["ok"] and tree["lossless"]["checked"] == 3
+    assert tree["tau"] >= 1.0 and tree["target_tokens_per_round"] > rep["block_size"]
+    agree(run, "eval tree", "works")
+
+
+def test_export_and_reload(run, exported):
+    from speculators import SpeculatorModel
+
+    from trainer.eval.models import load_drafter
+    from trainer.export import probe_logits
+
+    exp, res = run.root / "export", exported
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "reload check: bit-identical drafter logits" in res.stdout
+    agree(run, "export", "works")
+    model = SpeculatorModel.from_pretrained(str(exp))
+    saved = load_config(run.config).drafter.aux_ids
+    assert type(model).__name__ == "DFlashDraftModel" and model.config.aux_hidden_state_layer_ids == saved
+    ckpt = read_latest(run.root / "out")
+    assert torch.equal(
+        probe_logits(load_drafter(ckpt, run.target, CPU)), probe_logits(load_drafter(exp, run.target, CPU))
+    )
+    agree(run, "reload", "works")
+
+
+def test_vllm_column_says_what_is_not_run_here(run):
+    """vLLM's source and served tau are not part of this matrix (tests/integration/test_vllm_source.py
+    and test_eval_served.py run them on the tests' Qwen3): the table says so rather than claim them."""
+    assert doc_table()[run.name]["vLLM"].lower().startswith("not run")
+
+
+def test_the_table_holds_exactly_the_matrix():
+    assert set(doc_table()) == set(FAMILIES), "docs/families.md's rows are not the matrix's families"
