@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainer.errors import DflashError
+from trainer.layout.hybrid import LinearAttention, read_linear_attention
 from trainer.layout.sizing import Shapes
 
 if TYPE_CHECKING:
@@ -217,6 +218,7 @@ class TargetInfo:
     special_ids: dict[str, tuple[int, ...]]  # "pad"/"bos"/"eos" -> ids (eos may be several)
     stored_params: int = 0  # numel over the safetensors headers; 0 when unknown
     stored_dtype: str = ""  # config.json's torch_dtype (or dtype); "" when it names none
+    linear: LinearAttention | None = None  # linear-attention layers of a hybrid target (Qwen3.5/3.6)
 
     @classmethod
     def from_folder(cls, folder: Path) -> TargetInfo:
@@ -248,6 +250,7 @@ class TargetInfo:
                 attention_bias=bool(conf.get("attention_bias", False)),
                 special_ids=special,
                 stored_dtype=str(conf.get("torch_dtype") or conf.get("dtype") or ""),
+                linear=read_linear_attention(conf),
             )
         except KeyError as exc:
             raise ModelConfigError(f"{source} lacks {exc.args[0]!r}") from None
@@ -271,6 +274,7 @@ class TargetInfo:
             draft_intermediate=d.intermediate_size if d else None,
             n_aux=len(d.aux_ids) if d else 1,
             draft_vocab=d.draft_vocab_size if d else None,
+            linear=self.linear,
         )
 
     def decoder_layer_params(self, intermediate: int | None = None) -> int:

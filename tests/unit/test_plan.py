@@ -359,7 +359,7 @@ def test_plan_config_on_the_seeds_recipe_prints_the_layout_the_docs_print():
     assert r.returncode == 0, r.stderr
     lines = {line.split()[0]: line for line in r.stdout.splitlines() if line[:1].strip()}
     assert (
-        "TP 2, DP 3, ~30.1 GiB each), GPUs [0, 1] train (data-parallel 2, train.shard full)"
+        "TP 2, DP 3, ~29.7 GiB each), GPUs [0, 1] train (data-parallel 2, train.shard full)"
         in lines["layout"]
     )
     assert lines["memory"].startswith("memory   ~28.5 GiB per trainer GPU")

@@ -11,6 +11,7 @@ BASE = {
     "python_env_repo": "/repo",
     "python_env_engine": False,
     "python_env_engine_files": ["requirements/cuda-engine.txt", "requirements/cuda-engine-no-deps.txt"],
+    "python_env_kernel_files": [],  # vars/main.yml: requirements/<kind>-kernels.txt where it exists
     "python_env_vllm_version": "0.32.0",  # vars/main.yml reads it from requirements/cuda-engine.txt
 }
 BUILD = {"action": "install", "kind": "cuda", "tag": "cu126", "pypi": False}

@@ -32,8 +32,16 @@ FAMILIES = sorted(p.name for p in EXAMPLES.iterdir() if (p / "target" / "config.
 NEEDS_FILES = {"config.target_no_weights", "data.missing"}
 
 
-def test_the_examples_hold_the_four_families():
-    assert FAMILIES == ["gpt-oss-20b", "llama-3.1-8b-instruct", "qwen3-30b-a3b", "qwen3-8b"]
+def test_the_examples_hold_the_five_families():
+    assert FAMILIES == ["gpt-oss-20b", "llama-3.1-8b-instruct", "qwen3-30b-a3b", "qwen3-8b", "qwen3.6-27b"]
+
+
+def test_the_seeds_target_example_is_the_fixture():
+    """examples/qwen3.6-27b is the seeds' target: its config.json is the planner's fixture, and init's aux
+    ids are SpecForge's Qwen3.6-27B recipe's [1, 16, 31, 46, 61] in speculators' convention."""
+    fixture = REPO / "tests" / "fixtures" / "targets" / "qwen3.6-27b" / "config.json"
+    assert (EXAMPLES / "qwen3.6-27b" / "target" / "config.json").read_text() == fixture.read_text()
+    assert load_config(EXAMPLES / "qwen3.6-27b" / "run.yaml").drafter.aux_ids == [2, 17, 32, 47, 62]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -51,7 +59,7 @@ def test_example_passes_preflight_but_for_weights_and_data(family):
     report = run_preflight(cfg)
     found = {p.code for p in report.errors + report.warnings}
     assert NEEDS_FILES <= found  # the examples ship no weights and no data
-    left = {c for c in found - NEEDS_FILES if not c.startswith("machine.")}
+    left = {c for c in found - NEEDS_FILES if not c.startswith(("machine.", "kernels."))}
     assert left == set(), [p for p in report.errors + report.warnings if p.code in left]
 
 
@@ -63,8 +71,9 @@ def test_aux_ids_follow_the_paper_and_the_mask_a_free_row():
     assert cfg["llama-3.1-8b-instruct"].aux_ids == [2, 9, 16, 23, 30]
     assert cfg["gpt-oss-20b"].aux_ids == [2, 7, 12, 17, 22]
     # no tokenizer in the folders: the last embedding row (Qwen3: a padding row past the tokenizer's
-    # 151669 ids; Llama 3: <|reserved_special_token_247|>; gpt-oss: a reserved id of o200k_harmony)
-    assert [cfg[f].mask_token_id for f in FAMILIES] == [201087, 128255, 151935, 151935]
+    # 151669 ids; Llama 3: <|reserved_special_token_247|>; gpt-oss: a reserved id of o200k_harmony;
+    # Qwen3.6: the last padding row; SpecForge's recipe, with the tokenizer, uses 248070)
+    assert [cfg[f].mask_token_id for f in FAMILIES] == [201087, 128255, 151935, 151935, 248319]
     # block size and the levers are the schema's defaults, not restated
     assert {c.block_size for c in cfg.values()} == {DrafterConfig.model_fields["block_size"].default}
 

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.layout.eval_memory import device_map_fill, drafter_shapes, eval_drafter
+from trainer.layout.hybrid import forward_working_bytes, transformers_state_bytes
 from trainer.layout.recipe import (
     ASSUMPTIONS,
     DTYPE_BYTES,
@@ -41,7 +42,14 @@ from trainer.layout.split import tp_divides, vllm_gpu_bytes
 
 
 def kv_bytes_per_token(t: TargetShape) -> int:
-    return 2 * t.layers * t.kv_heads * t.head_dim * DTYPE_BYTES[t.dtype]
+    """K and V of one token over the full-attention layers (a hybrid's linear layers keep none)."""
+    return 2 * t.full_layers * t.kv_heads * t.head_dim * DTYPE_BYTES[t.dtype]
+
+
+def harness_cache_bytes(t: TargetShape, tokens: int) -> int:
+    """transformers' cache for one sequence of `tokens`: K/V per token of the full-attention layers and,
+    for a hybrid target, the linear layers' conv and recurrent state (trainer/layout/hybrid.py)."""
+    return tokens * kv_bytes_per_token(t) + transformers_state_bytes(t.linear, DTYPE_BYTES[t.dtype])
 
 
 def plan_engine(t: TargetShape, memory_gib: float, count: int) -> dict[str, Any]:
@@ -56,7 +64,8 @@ def plan_engine(t: TargetShape, memory_gib: float, count: int) -> dict[str, Any]
     for tp in a["vllm_tensor_parallel_sizes"]:
         if tp > count or not tp_divides(t, tp):
             continue
-        parts = {k: v for k, v in vllm_gpu_bytes(t, tp, tokens, 0).items() if k != "hidden_state_rows"}
+        parts = vllm_gpu_bytes(t, tp, tokens, 0, sequences=a["inference_sequences"])
+        parts = {k: v for k, v in parts.items() if k != "hidden_state_rows"}
         need = sum(parts.values())
         tried.append({"tensor_parallel_size": tp, "per_gpu_gib": round(need / GIB, 1)})
         if need <= budget:
@@ -96,10 +105,14 @@ def plan_engine(t: TargetShape, memory_gib: float, count: int) -> dict[str, Any]
 
 def harness_working_bytes(t: TargetShape, tokens: int) -> float:
     """What one harness forward over `tokens` positions holds beyond the weights and the KV cache: the
-    MLP working set (sizing's `target_mlp_copies`), the logits (fp32) and the CUDA reserve."""
+    MLP working set (sizing's `target_mlp_copies`; a hybrid's Gated DeltaNet layer's when larger), the
+    logits (fp32) and the CUDA reserve."""
     wb = DTYPE_BYTES[t.dtype]
     return (
-        tokens * t.intermediate * ASSUMPTIONS["target_mlp_copies"] * wb
+        max(
+            tokens * t.intermediate * ASSUMPTIONS["target_mlp_copies"] * wb,
+            forward_working_bytes(t.linear, tokens, wb),
+        )
         + tokens * t.vocab * 4
         + ASSUMPTIONS["runtime_reserve_gib_cuda"] * GIB
     )
@@ -128,7 +141,7 @@ def plan_harness(
     tokens = ASSUMPTIONS["inference_tokens_per_sequence"]
     budget = memory_gib * GIB * ASSUMPTIONS["usable_share"]
     weights = t.params * DTYPE_BYTES[t.dtype]
-    kv = tokens * kv_bytes_per_token(t)
+    kv = harness_cache_bytes(t, tokens)
     working = harness_working_bytes(t, tokens)
     d = (drafter["drafter_weights"] + drafter["drafter_working"]) if drafter else 0
     drafter_part = {} if not drafter else {"drafter": _drafter_summary(drafter)}
@@ -154,7 +167,8 @@ def plan_harness(
             "per_gpu_needs_gib": [round(x / GIB, 1) for x in lay["needs"]],
             **drafter_part,
             "reason": (
-                f"{weights / GIB:.1f} GiB of weights + {kv / GIB:.1f} GiB KV cache ({tokens} tokens) over "
+                f"{weights / GIB:.1f} GiB of weights + {kv / GIB:.1f} GiB KV cache "
+                f"({tokens} tokens{_state(t)}) over "
                 f"{n} GPU(s) + {working / GIB:.1f} GiB working set{said}: ~{need / GIB:.1f} GiB of "
                 f"{budget / GIB:.1f} GiB on the fullest"
                 + (
@@ -180,6 +194,16 @@ def plan_harness(
             + (f" and the {d / GIB:.1f} GiB drafter (fp32, on GPU 0)" if d else "")
         ),
     }
+
+
+def _state(t: TargetShape) -> str:
+    if t.linear is None:
+        return ""
+    state = transformers_state_bytes(t.linear, DTYPE_BYTES[t.dtype])
+    return (
+        f"; {t.full_layers} full-attention layers, {t.linear.layers} linear-attention layers' "
+        f"state {state / 2**20:.0f} MiB per sequence"
+    )
 
 
 def _drafter_summary(drafter: dict[str, Any]) -> dict[str, Any]:

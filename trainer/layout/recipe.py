@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from trainer.errors import DflashError
+from trainer.layout.hybrid import ASSUMPTIONS as HYBRID_ASSUMPTIONS
+from trainer.layout.hybrid import LinearAttention
 from trainer.layout.sizing import ASSUMPTIONS as SIZING_ASSUMPTIONS
 from trainer.layout.sizing import Shapes, per_device_bytes
 from trainer.target import ModelConfigError, TargetInfo, read_config, stored_bytes
@@ -26,6 +28,7 @@ ASSUMPTIONS = {
     "thin_margin_share": 0.97,  # a fit above this share of the budget is flagged as thin
     "memory_model": "trainer/layout/sizing.py",
     **SIZING_ASSUMPTIONS,
+    **HYBRID_ASSUMPTIONS,
     # train.shard unset (--shard auto): the lightest that fits, outside the thin margin
     "shard_auto_order": ["optimizer", "full"],
     "share_target_embedding": True,  # the key's default: the drafter reads its target copy's embedding
@@ -64,6 +67,12 @@ class TargetShape:
     params: int
     params_source: str
     dtype: str
+    linear: LinearAttention | None = None  # a hybrid's linear-attention layers (layout/hybrid.py)
+
+    @property
+    def full_layers(self) -> int:
+        """The layers that keep K and V per token (all but the linear-attention ones)."""
+        return self.layers - (self.linear.layers if self.linear else 0)
 
 
 def read_target(config_path: Path, dtype: str = "bfloat16") -> TargetShape:
@@ -101,6 +110,7 @@ def read_target(config_path: Path, dtype: str = "bfloat16") -> TargetShape:
         int(params),
         source,
         dtype,
+        info.linear,
     )
 
 
@@ -148,6 +158,7 @@ def shapes(t: TargetShape, r: Recipe) -> Shapes:
         draft_intermediate=r.draft_intermediate,
         n_aux=r.n_aux,
         draft_vocab=r.draft_vocab,
+        linear=t.linear,
     )
 
 
@@ -224,6 +235,7 @@ def describe(t: TargetShape) -> dict[str, Any]:
         "params_source": t.params_source,
         "hidden": t.hidden,
         "layers": t.layers,
+        **({"linear_attention_layers": t.linear.layers} if t.linear else {}),
         "vocab": t.vocab,
         "dtype": t.dtype,
     }

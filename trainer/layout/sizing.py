@@ -8,7 +8,9 @@ the rank's device there), so that GPU is the one that must fit and the one model
 What the trainer holds (loop.py + speculators' DFlashDraftModel, read from their code):
 
 - target weights / gpus_per_copy (target dtype; the base model only, no lm_head is loaded), plus
-  the no-grad forward's transient working set of one layer (its MLP: gate, up and product);
+  the no-grad forward's transient working set of one layer (its MLP: gate, up and product; for a hybrid
+  target the larger of that and a Gated DeltaNet layer's set, trainer/layout/hybrid.py: the forward
+  keeps no cache, so no recurrent state outlives its layer);
 - the drafter's trainable parameters in fp32 (decoder layers, fc, hidden_norm, norm) and their fp32
   gradients: under DDP (data_parallel > 1, shard none or optimizer) views into its buckets
   (`gradient_as_bucket_view`: no second copy), which live for the whole run; on one rank and under
@@ -66,6 +68,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from trainer.layout.hybrid import LinearAttention, forward_working_bytes
+
 GIB = float(2**30)
 SHARD_LEVELS = ("none", "optimizer", "full")  # train.shard
 
@@ -119,6 +123,7 @@ class Shapes:
     draft_intermediate: int | None = None  # default: the target's
     n_aux: int = 5
     draft_vocab: int | None = None  # drafter.draft_vocab_size (None: the whole vocabulary)
+    linear: LinearAttention | None = None  # a hybrid target's linear-attention layers
 
     def decoder_layer_params(self, intermediate: int | None = None) -> int:
         return self.decoder_layer_matrix_params(intermediate) + self._decoder_layer_vectors()
@@ -244,7 +249,10 @@ def per_device_bytes(
     )
     share_embedding = share_embedding and target_in_process
     here = 1 if target_in_process else 0
-    forward = tokens * s.intermediate * a["target_mlp_copies"] * s.target_dtype_bytes
+    forward = max(
+        tokens * s.intermediate * a["target_mlp_copies"] * s.target_dtype_bytes,
+        forward_working_bytes(s.linear, tokens, s.target_dtype_bytes),
+    )
     activations = (
         (s.n_aux + 1) * tokens * s.hidden * s.target_dtype_bytes  # captured aux + last
         + 2 * tokens * s.hidden * act  # fc output, hidden_norm

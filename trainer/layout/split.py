@@ -5,8 +5,10 @@ stdlib only.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
+from trainer.layout.hybrid import tp_divides_linear, vllm_cache_bytes
 from trainer.layout.recipe import (
     ASSUMPTIONS,
     DTYPE_BYTES,
@@ -22,19 +24,35 @@ from trainer.layout.recipe import (
 def tp_divides(t: TargetShape, tp: int) -> bool:
     """Whether vLLM can shard the target `tp` ways: the attention heads split evenly
     (vllm/config/model.py: "must be divisible by tensor parallel size") and the KV heads either split
-    evenly or are replicated a whole number of times (its QKVParallelLinear)."""
-    return tp >= 1 and t.heads % tp == 0 and (t.kv_heads % tp == 0 or tp % t.kv_heads == 0)
+    evenly or are replicated a whole number of times (its QKVParallelLinear); a hybrid's linear-attention
+    key and value heads split evenly (trainer/layout/hybrid.py)."""
+    return (
+        tp >= 1
+        and t.heads % tp == 0
+        and (t.kv_heads % tp == 0 or tp % t.kv_heads == 0)
+        and tp_divides_linear(t.linear, tp)
+    )
 
 
-def vllm_gpu_bytes(t: TargetShape, tp: int, tokens_in_flight: int, n_aux: int) -> dict[str, float]:
+def vllm_gpu_bytes(
+    t: TargetShape, tp: int, tokens_in_flight: int, n_aux: int, sequences: int | None = None
+) -> dict[str, float]:
     """Bytes on one GPU of a vLLM server holding the target with tensor parallelism `tp`: its weight
     share, the KV cache of the prompts in flight (the prefetched batches of every trainer rank), the
-    extracted hidden-state rows (n_aux + the last state, on the first GPU) and a runtime reserve."""
+    extracted hidden-state rows (n_aux + the last state, on the first GPU) and a runtime reserve.
+    A hybrid target's cache is vLLM's paged one (trainer/layout/hybrid.py `vllm_cache_bytes`) over
+    `sequences` requests (default: the tokens in requests of `inference_tokens_per_sequence`)."""
     wb = DTYPE_BYTES[t.dtype]
     kv_per_token = 2 * t.layers * t.kv_heads * t.head_dim * wb
+    kv = tokens_in_flight * kv_per_token / tp
+    if t.linear is not None:
+        n = sequences or math.ceil(tokens_in_flight / ASSUMPTIONS["inference_tokens_per_sequence"])
+        per_layer = 2 * max(1, t.kv_heads // tp) * t.head_dim * wb  # vLLM replicates KV heads past tp
+        per_sequence = math.ceil(tokens_in_flight / n)
+        kv = vllm_cache_bytes(t.linear, t.full_layers, per_layer, tp, t.dtype, n, per_sequence)
     return {
         "target_weights": t.params * wb / tp,
-        "kv_cache": tokens_in_flight * kv_per_token / tp,
+        "kv_cache": kv,
         "hidden_state_rows": tokens_in_flight * (n_aux + 1) * t.hidden * wb,
         "runtime_reserve": ASSUMPTIONS["vllm_runtime_gib"] * GIB,
     }
