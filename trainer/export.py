@@ -127,6 +127,13 @@ def export(
             f"the target recorded in {folder}/config.json ({recorded}) is not a local model folder: "
             "pass --target DIR"
         )
+    if vllm_check:  # a family vLLM cannot serve a DFlash drafter for: refused before any work
+        from trainer.eval.served import ServedError, served_family_check
+
+        try:
+            served_family_check(target, "--vllm-check")
+        except ServedError as exc:
+            raise ExportError(str(exc)) from None
     cast = getattr(torch, dtype) if dtype else None
     model = load_drafter(folder, target, torch.device("cpu"))
     before = probe_logits(_round_to(model, cast))

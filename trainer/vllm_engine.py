@@ -78,9 +78,27 @@ def build_engine(
     if cpu:
         kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
         os.environ.update(cpu_engine_env(os.environ))  # the engine's spawned processes inherit it
+        from trainer.amx_site import dflash_vision_fallback  # Qwen3.5's model file without torchvision
+
+        dflash_vision_fallback.install()
     if dtype != "auto":
         kwargs["dtype"] = dtype
+    if multimodal(model):
+        # token ids only: no image or video input, so no multimodal processor (it needs the tokenizer
+        # the engine skips) and no vision tower
+        kwargs.setdefault("language_model_only", True)
     return vllm.LLM(**kwargs)
+
+
+def multimodal(model: Path) -> bool:
+    """Whether the model folder is a vision-language wrapper (Qwen3.5/3.6 ship as one): a config.json with
+    a `vision_config`."""
+    import json
+
+    try:
+        return "vision_config" in json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
 
 
 def greedy(llm, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int]) -> list[list[int]]:

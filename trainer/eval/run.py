@@ -66,10 +66,11 @@ def run_eval(opts: EvalOptions) -> int:
     if not (Path(opts.target) / "config.json").is_file():
         raise ModelError(f"--target {opts.target}: no config.json (a transformers model folder is needed)")
     if opts.engine != "harness":
-        from trainer.eval.served import ServedError
+        from trainer.eval.served import ServedError, served_family_check
         from trainer.vllm_engine import import_vllm
 
         import_vllm(f"--engine {opts.engine}", ServedError)  # before any model loads
+        served_family_check(opts.target, f"--engine {opts.engine}")
     device = resolve_device(opts.device)
     # refuses a size the GPUs or the heads cannot take, or GPUs that cannot hold target and drafter
     tp, placement = place_target(opts, device, [resolve_drafter_dir(d) for d in opts.drafters])

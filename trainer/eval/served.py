@@ -95,6 +95,30 @@ def as_trained(model: Path, declared: dict[str, Any], source: Path | None = None
     }
 
 
+def served_family_check(target: Path, flag: str) -> None:
+    """ServedError, before any model loads, for a target whose family vLLM cannot serve a DFlash
+    drafter for on any platform (trainer/preflight/vllm_family.py `aux_states_problem`)."""
+    from trainer.preflight.vllm_family import aux_states_problem
+    from trainer.target import read_config
+
+    problem = aux_states_problem(read_config(Path(target)), flag)
+    if problem:
+        raise ServedError(problem)
+
+
+def vllm_family_dtype(target: Path, dtype: str, cpu: bool, flag: str) -> str:
+    """`dtype` for the target's family on the engine's platform; ServedError where vLLM cannot run it."""
+    from trainer.preflight.vllm_family import cpu_engine_problem, engine_dtype
+    from trainer.target import read_config
+
+    served_family_check(target, flag)
+    conf = read_config(Path(target))
+    problem = cpu_engine_problem(conf, dtype, cpu, f"{flag}: dtype")
+    if problem:
+        raise ServedError(problem)
+    return engine_dtype(conf, dtype, cpu)
+
+
 def serve_export(
     model: Path,
     target: Path,
@@ -116,13 +140,18 @@ def serve_export(
     dflash_export.json names); `tensor_parallel_size`: GPUs the target is sharded over. A checkpoint
     is exported first by trainer/eval/served_report.py."""
     from trainer import vllm_engine
+    from trainer.preflight.vllm_family import prefix_caching_off
     from trainer.sources.hooked import resolve_dtype
+    from trainer.target import read_config
 
     vllm = vllm_engine.import_vllm(flag, ServedError)
     cpu = vllm_engine.on_cpu(device, ServedError)
     import torch
 
-    # the harness's dtype unless told otherwise: fp32 on a CPU, bf16 on a GPU
+    # the harness's dtype unless told otherwise: fp32 on a CPU, bf16 on a GPU; a Gated DeltaNet hybrid
+    # on a CPU in bf16, the only dtype vLLM's CPU kernels run it in (trainer/preflight/vllm_family.py)
+    dtype = vllm_family_dtype(target, dtype, cpu, flag)
+    extra = {"enable_prefix_caching": False} if prefix_caching_off(read_config(target), cpu) else {}
     dtype = str(resolve_dtype(dtype, torch.device("cpu" if cpu else "cuda"))).removeprefix("torch.")
     started = time.perf_counter()
     longest = max(len(p) for p in prompts)
@@ -139,6 +168,7 @@ def serve_export(
             "model": str(model),
             "num_speculative_tokens": block_size - 1,
         },
+        **extra,
     )
     try:
         start_s = time.perf_counter() - started

@@ -6,12 +6,15 @@ Five gates, each listing every problem it finds (a run is refused on any error; 
   drop (no two consecutive supervised tokens, longer than data.max_length, input_ids/loss_mask length
   mismatch), token ids outside the target vocabulary;
 - config: the target folder and, for `target.source: vllm`, what starting or using a server needs
-  (target.py); the aux layer ids (in speculators' convention, after conversion), the mask token, the
+  (target.py) and whether vLLM runs the target's family there in the server's dtype (vllm_family.py);
+  the aux layer ids (in speculators' convention, after conversion), the mask token, the
   block size, and a warm-start checkpoint's wiring (fc width, aux ids, hidden size) (drafter.py);
 - machine (machine.py): the device (`train.device: cuda` without CUDA, or `auto` on a machine whose
   NVIDIA GPUs torch cannot use, is refused: trainer/device.py), free disk for the parts of the run
   still to be written (disk.py: the budget `dflash plan` prints), a memory estimate against the
-  device, and /dev/shm for a vLLM server the run starts (shm.py);
+  device, and /dev/shm for a vLLM server the run starts (shm.py); for a hybrid target on CUDA, the
+  linear-attention kernels transformers looks for (kernels.py: a warning when it would fall back to its
+  reference PyTorch code);
 - evaluation (evaluation.py): the `eval:` child's GPUs (free of the run's own, holding the target and
   the fp32 drafter) and its named benchmark set in the Hugging Face cache;
 - trackers (trackers.py): the package of every tracker `report_to` names is installed.
@@ -31,11 +34,13 @@ from trainer.preflight.data import data_gate
 from trainer.preflight.disk import disk_gate
 from trainer.preflight.drafter import aux_gate, drafter_gate, warm_start_gate
 from trainer.preflight.evaluation import eval_gate
+from trainer.preflight.kernels import kernels_gate
 from trainer.preflight.machine import device_gate, memory_gate
 from trainer.preflight.report import PreflightReport
 from trainer.preflight.shm import shm_gate
 from trainer.preflight.target import source_gate, target_gate
 from trainer.preflight.trackers import trackers_gate
+from trainer.preflight.vllm_family import vllm_family_gate
 
 if TYPE_CHECKING:
     from trainer.config import RunConfig
@@ -51,11 +56,13 @@ def run_preflight(cfg: RunConfig) -> PreflightReport:
     target = _guarded(report, "target", lambda: target_gate(cfg, report))
     gates: list[tuple[str, Callable[[RunConfig, TargetInfo | None, PreflightReport], None]]] = [
         ("hidden-state source", source_gate),
+        ("vLLM family", vllm_family_gate),
         ("aux ids", aux_gate),
         ("drafter", drafter_gate),
         ("warm start", warm_start_gate),
         ("data", data_gate),
         ("device", device_gate),
+        ("linear-attention kernels", kernels_gate),
         ("disk", disk_gate),
         ("shared memory", shm_gate),
         ("memory", memory_gate),

@@ -78,7 +78,25 @@ def check_options(opts: RegenOptions) -> None:
             f"--target {opts.target}: no config.json (a transformers model folder is needed)"
         )
     if opts.backend == "vllm":
+        family_check(opts)
         opts.tensor_parallel_size = engine_tensor_parallel(opts)
+
+
+def family_check(opts: RegenOptions) -> None:
+    """The target's family in --dtype on the engine's platform (trainer/preflight/vllm_family.py): a
+    combination vLLM cannot run is refused here, not at the first batch; `auto` becomes the dtype vLLM
+    runs the family in there (bfloat16 for a Gated DeltaNet hybrid on a CPU)."""
+    import torch
+
+    from trainer.preflight.vllm_family import cpu_engine_problem, engine_dtype
+    from trainer.target import read_config
+
+    cpu = opts.device == "cpu" or not torch.cuda.is_available()
+    conf = read_config(Path(opts.target))
+    problem = cpu_engine_problem(conf, opts.dtype, cpu, "--dtype")
+    if problem:
+        raise RegenerateError(f"{problem}; use --dtype bfloat16 or auto, or --backend transformers")
+    opts.dtype = engine_dtype(conf, opts.dtype, cpu)
 
 
 def engine_tensor_parallel(opts: RegenOptions) -> int:

@@ -24,7 +24,9 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from trainer.errors import DflashError, ExitCode
-from trainer.vllm_engine import CPU_KV_CACHE_BYTES, cpu_engine_env
+from trainer.preflight.vllm_family import prefix_caching_off
+from trainer.target import read_config
+from trainer.vllm_engine import CPU_KV_CACHE_BYTES, cpu_engine_env, multimodal
 
 CUDA_CONNECTOR = ("HiddenStatesConnector", "trainer.sources.vllm_connector")  # class, module
 CPU_CONNECTOR = ("CpuHiddenStatesConnector", "trainer.sources.vllm_connector")
@@ -153,6 +155,11 @@ def serve_command(
     ]  # fmt: skip
     if dtype != "auto":
         cmd += ["--dtype", dtype]
+    if multimodal(model):  # Qwen3.5/3.6's wrapper: token ids only, no vision tower, no mm processor
+        cmd += ["--language-model-only"]
+    if cpu and (Path(model) / "config.json").is_file() and prefix_caching_off(read_config(model), cpu):
+        # a hybrid's linear-state copy beside a speculative method is a Triton kernel: none on a CPU
+        cmd += ["--no-enable-prefix-caching"]
     if cpu:
         cmd += ["--kv-cache-memory-bytes", str(CPU_KV_CACHE_BYTES)]
     else:

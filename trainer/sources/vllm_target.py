@@ -108,10 +108,17 @@ class ServerRequest:
         }
 
 
-def server_dtype(cfg: RunConfig, cpu: bool) -> str:
+def server_dtype(cfg: RunConfig, cpu: bool, conf: dict[str, Any] | None = None) -> str:
     """target.dtype, auto: float32 on a host without CUDA (vLLM's CPU fp32 equals the hooked target's
-    features), bfloat16 on GPUs."""
-    return cfg.target.dtype if cfg.target.dtype != "auto" else ("float32" if cpu else "bfloat16")
+    features) except for a Gated DeltaNet hybrid, which vLLM's CPU kernels run in bfloat16 only
+    (trainer/preflight/vllm_family.py); bfloat16 on GPUs."""
+    from trainer.preflight.vllm_family import engine_dtype
+
+    if cfg.target.dtype != "auto":
+        return cfg.target.dtype
+    if cpu and engine_dtype(read_config(cfg.target.path) if conf is None else conf, "auto", cpu) != "auto":
+        return "bfloat16"
+    return "float32" if cpu else "bfloat16"
 
 
 def server_request(cfg: RunConfig, cpu: bool, conf: dict[str, Any] | None = None) -> ServerRequest:
@@ -127,7 +134,7 @@ def server_request(cfg: RunConfig, cpu: bool, conf: dict[str, Any] | None = None
         needed=needed,
         limit=limit,
         layer_ids=server_layer_ids(cfg.drafter.aux_ids, info.num_layers),
-        dtype=server_dtype(cfg, cpu),
+        dtype=server_dtype(cfg, cpu, conf),
     )
     allows = f"the target allows {limit.tokens} ({limit.why})"
     if capped:
