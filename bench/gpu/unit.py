@@ -282,7 +282,9 @@ def render(run_dir: Path, paths: list[Path], cuda: bool) -> tuple[list[tuple[str
         "inventory_hostname": host,
         "ansible_play_hosts_all": [host],
         "hostvars": {host: {"ansible_host": ""}},
-        "ansible_local": {"dflash": local},
+        # dflash_toolchain: python_env's kept copy of its toolchain env, read only where the play has no
+        # python_env_toolchain_env (the check gives that one: role_decisions)
+        "ansible_local": {"dflash": local, "dflash_toolchain": {"env": {}}},
         "ansible_facts": facts,
         **{f"ansible_{k}": v for k, v in net.items()},
         "dflash_root": str(run_dir),
