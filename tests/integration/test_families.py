@@ -248,10 +248,33 @@ def test_export_and_reload(run, exported):
     agree(run, "reload", "works")
 
 
-def test_vllm_column_says_what_is_not_run_here(run):
-    """vLLM's source and served tau are not part of this matrix (tests/integration/test_vllm_source.py
-    and test_eval_served.py run them on the tests' Qwen3): the table says so rather than claim them."""
-    assert doc_table()[run.name]["vLLM"].lower().startswith("not run")
+# Where the vLLM hidden-state source and vLLM-served tau run for a family (one vLLM start each costs
+# minutes here, so they live in the engines lane's tests, not in this matrix); the rest: not run here.
+VLLM_TESTED = {
+    "qwen3": ("tests/integration/test_vllm_source.py", "tests/integration/test_eval_served.py"),
+    "qwen3.5": ("tests/integration/test_hybrid_vllm.py",),
+}
+
+
+def test_vllm_column_is_what_vllm_can_take_and_where_it_is_tested(run):
+    """The vLLM cell: refused where vLLM 0.32 cannot give the target's aux hidden states (the product's
+    own check, trainer/preflight/vllm_family.py, which preflight, export --vllm-check and eval --engine
+    vllm call before any model loads); works, naming the tests that run it, where a test does; else
+    "not run here" rather than a claim."""
+    from trainer.preflight.vllm_family import aux_states_problem
+
+    conf = json.loads((run.target / "config.json").read_text())
+    problem = aux_states_problem(conf, "the hidden-state source")
+    cell = doc_table()[run.name]["vLLM"]
+    if problem:
+        agree(run, "vLLM", f"refused: {problem}")
+        assert "aux hidden states" in cell, cell
+    elif run.name in VLLM_TESTED:
+        agree(run, "vLLM", "works")
+        for test in VLLM_TESTED[run.name]:
+            assert (REPO / test).is_file() and Path(test).name in cell, (test, cell)
+    else:
+        assert cell.lower().startswith("not run"), cell
 
 
 def test_the_table_holds_exactly_the_matrix():
