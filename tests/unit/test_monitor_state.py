@@ -15,12 +15,12 @@ import pytest
 
 from trainer.events import EventWriter
 from trainer.monitor.alerts import Thresholds, evaluate
-from trainer.monitor.redact import redact, redact_text
 from trainer.monitor.runs import Hub, RunMonitor, find_runs
 from trainer.monitor.state import RunState, minmax_indices
 from trainer.monitor.summary import render_summary, summarize
 from trainer.monitor.system import parse_nvidia_smi, process_alive
 from trainer.monitor.tailer import Follower, tail_lines
+from trainer.redact import redact, redact_text
 
 
 def start_event(total=100, pid=None, t=None, **kw):

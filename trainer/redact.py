@@ -1,5 +1,5 @@
-"""Keep secrets out of what the monitor serves: secret-looking keys in events, token-looking strings in
-log lines. Light side."""
+"""The one home for keeping secrets out of what the package writes or serves: secret-looking keys in
+events, token-looking strings in log lines. Light side."""
 
 from __future__ import annotations
 
