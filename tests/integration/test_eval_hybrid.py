@@ -5,17 +5,17 @@ multimodal `Qwen3_5ForConditionalGeneration`), with a tiny one built on the spot
   `model.visual.*`, and neither the hooked source (training) nor the eval target builds or loads a
   vision weight;
 - the rollback of a verify forward (trainer/eval/recurrent.py) leaves the cache exactly as a forward over
-  the kept tokens alone would;
-- the user's journey: `dflash init` -> preflight -> `dflash train` (hooked) -> `dflash eval`, chain and
-  tree, every prompt checked against the target's one-token greedy decoding.
+  the kept tokens alone would (1, 3 or 6 of a verify's tokens kept: the rollback after a partial
+  acceptance).
+
+The user's journey on this family (`dflash init` -> preflight -> `dflash train` (hooked) -> `dflash eval`
+chain and tree, lossless -> export -> reload) is the family matrix's `qwen3.5` row
+(tests/integration/test_families.py).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +23,6 @@ import pytest
 import torch
 
 from tests.families import build_qwen3_5_text, build_qwen3_5_vlm
-from tests.integration.test_eval import dflash_here
 from trainer.target import read_weight_headers
 
 pytestmark = pytest.mark.slow
@@ -102,74 +101,3 @@ def test_a_rollback_leaves_the_cache_a_forward_over_the_kept_tokens_would(text_t
     # and the next forward continues as after the kept tokens alone
     nxt = torch.tensor([[int(greedy[keep - 1])]])
     torch.testing.assert_close(target.forward(nxt, cache)[1], target.forward(nxt, fresh)[1])
-
-
-@pytest.fixture(scope="module")
-def journey(vlm, tmp_path_factory) -> dict:
-    """`dflash init` -> preflight -> a short `dflash train` (hooked source) on the wrapper target."""
-    from trainer.cli import main
-    from trainer.demo.synth import greedy_dataset
-
-    root = tmp_path_factory.mktemp("hybrid-journey")
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(3, 500, size=8).tolist() for _ in range(32)]
-    data = greedy_dataset(vlm, prompts, 48, root / "ds")
-    cfg = root / "run.yaml"
-    init = ["init", "--target", vlm, "--data", data, "--out", cfg, "--mask-token-id", 511]
-    assert main([str(a) for a in init]) == 0
-    assert main(["preflight", "--config", str(cfg)]) == 0
-    sets = {
-        "drafter.block_size": 8,
-        "drafter.aux_layer_ids": "[1, 2]",
-        "train.max_steps": 150,
-        "train.lr": 3.0e-3,
-        "train.warmup_steps": 2,
-        "train.max_tokens_per_batch": 256,
-        "train.max_anchors": 32,
-        "train.checkpoint_every": 1000,
-    }
-    args = [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    res = subprocess.run(
-        [sys.executable, "-m", "trainer.cli", "train", "--config", str(cfg), *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    prompt_file = root / "prompts.jsonl"
-    held_out = [rng.integers(3, 500, size=8).tolist() for _ in range(3)]
-    prompt_file.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in prompts[:2] + held_out))
-    return {"root": root, "run": root / "out", "prompts": prompt_file}
-
-
-def test_a_hybrid_vlm_target_through_init_train_and_eval_chain_and_tree_lossless(
-    vlm, journey, capsys, one_thread
-):
-    out = journey["root"] / "report.json"
-    res = dflash_here(
-        capsys,
-        "eval",
-        "--drafter", journey["run"],
-        "--target", vlm,
-        "--prompts", journey["prompts"],
-        "--max-new-tokens", 32,
-        "--out", out,
-        "--device", "cpu",
-        "--check-lossless", "all",
-        "--tree-budget", 16,
-        "--ignore-eos",
-    )  # fmt: skip
-    assert res.returncode == 0, res.stderr[-3000:]
-    rep = json.loads(out.read_text())
-    rep = rep["drafters"][0] if "drafters" in rep else rep
-    ll = rep["lossless"]
-    assert ll["ok"] is True and ll["checked"] == 5 and ll["matched"] == 5, ll
-    # partial acceptance happened: the rollback ran on rounds that kept some drafts, not only none
-    accepted = [a for p in rep["per_prompt"] for a in p["accepted"]]
-    assert rep["tau"] > 1.0 and any(0 < a < 7 for a in accepted), accepted
-    tree = rep["trees"][0]
-    assert tree["lossless"]["ok"] is True and tree["lossless"]["matched"] == 5
-    assert tree["tau"] >= rep["tau"] and tree["target_forwards_per_round"] >= 1.0
