@@ -60,12 +60,17 @@ def run_config(path: Path, hybrid, name: str, **target) -> Path:
     )  # fmt: skip
 
 
-def test_what_vllm_cannot_run_on_this_cpu_is_refused_before_any_engine(hybrid, tmp_path):
+def test_what_vllm_cannot_run_on_this_cpu_is_refused_before_any_engine(hybrid, tmp_path, capsys):
     """float32 (vLLM's CPU GDN kernels assert bf16 at the first request) is refused by regenerate and by
     preflight with exit 2 naming the platform; auto becomes bfloat16; the server command the run would
     start asks for no vision tower and no prefix caching; Gemma 3 (no aux hidden states in vLLM) is
-    refused as a vLLM source. No engine starts."""
+    refused as a vLLM source. No engine starts: the verbs run in this process (no engine could hide in a
+    child), their imports paid once."""
+    from tests.integration.test_eval import dflash_here
     from trainer.sources.vllm_server import serve_command
+
+    def dflash(*args):
+        return dflash_here(capsys, *args)
 
     target, _ = hybrid
     prompts = tmp_path / "p.jsonl"
