@@ -212,8 +212,10 @@ def test_training_through_the_server_learns_and_reloads_in_speculators(hs_server
     ["other layers", "other model", "nothing listening"],
 )
 def test_a_server_that_is_not_the_runs_is_refused_before_training(
-    case, hs_server, hs_target, tiny_target, tmp_path
+    case, hs_server, hs_target, tiny_target, tmp_path, capsys
 ):
+    """`dflash train` in this process (its imports paid once for the three cases): refused before a step."""
+    from tests.integration.test_eval import dflash_here
     from trainer.sources.vllm_server import free_port
 
     cfg = config(tmp_path, hs_target, "run", target={"vllm": {"url": hs_server}}, max_steps=5)
@@ -222,7 +224,7 @@ def test_a_server_that_is_not_the_runs_is_refused_before_training(
         "other model": (f"target.path={tiny_target}", 2, "not this run's target"),
         "nothing listening": (f"target.vllm.url=http://127.0.0.1:{free_port()}", 1, "no vLLM server answers"),
     }[case]  # fmt: skip
-    res = dflash("train", "--config", cfg, "--set", change)
+    res = dflash_here(capsys, "train", "--config", cfg, "--set", change)
     assert res.returncode == want_rc and want in res.stderr, res.stdout[-2000:] + res.stderr[-2000:]
     out = tmp_path / "run"
     assert not (out / "checkpoints").exists() or not any((out / "checkpoints").iterdir())
