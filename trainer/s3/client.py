@@ -1,9 +1,11 @@
 """S3 addresses, a boto3 client that sends Content-MD5 on every upload request, object heads and
 listings, byte progress, and reading an object back with its sha256.
 
-Credentials come from boto3's standard chain (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE,
-~/.aws/...). Nothing here prints or logs them; errors name buckets and keys only. Light side: boto3 is
-imported lazily.
+Credentials come from boto3's standard chain: AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, then the
+profile (AWS_PROFILE, else `default`) in the credentials file (AWS_SHARED_CREDENTIALS_FILE, else
+~/.aws/credentials) and the config file (AWS_CONFIG_FILE, else ~/.aws/config), then container and
+instance metadata; `make_client` names each when none gives keys. Nothing here prints or logs them;
+errors name buckets and keys only. Light side: boto3 is imported lazily.
 """
 
 from __future__ import annotations
@@ -91,13 +93,17 @@ def make_client(
     Raises S3Error (before any work) when no credentials are configured."""
     import boto3
     from botocore.config import Config
+    from botocore.exceptions import BotoCoreError, ProfileNotFound
 
-    session = boto3.Session()
-    if session.get_credentials() is None:
-        raise S3Error(
-            "no AWS credentials found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE "
-            "(the salvage role passes them from the vault as environment variables)"
-        )
+    try:
+        session = boto3.Session()
+        creds = session.get_credentials()
+    except ProfileNotFound:
+        raise S3Error(_no_credentials("its profile does not exist")) from None
+    except BotoCoreError as exc:  # an unreadable credentials or config file, a failed credential_process
+        raise S3Error(f"AWS credentials could not be read: {type(exc).__name__}: {exc}") from None
+    if creds is None:
+        raise S3Error(_no_credentials("no keys for it there"))
     region = session.region_name or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
     config = Config(
         # Flexible checksums (CRC32 trailers) are not understood by every S3 server (radosgw): send
@@ -114,6 +120,39 @@ def make_client(
     for op in ("PutObject", "UploadPart"):
         client.meta.events.register(f"before-call.s3.{op}", add_content_md5, unique_id=f"dflash-md5-{op}")
     return client
+
+
+def _no_credentials(why_profile: str) -> str:
+    """What boto3's credential chain looked at, in its order, with the files it actually read (their
+    paths after AWS_SHARED_CREDENTIALS_FILE / AWS_CONFIG_FILE), and how to give it keys."""
+    import botocore.session
+
+    env = os.environ
+    bs = botocore.session.Session()
+    creds_file = os.path.expanduser(bs.get_config_variable("credentials_file"))
+    config_file = os.path.expanduser(bs.get_config_variable("config_file"))
+    profile = env.get("AWS_PROFILE") or env.get("AWS_DEFAULT_PROFILE") or "default"
+
+    def state(path: str) -> str:
+        p = Path(path)
+        if not p.exists():
+            return "absent"
+        return "empty" if not p.is_file() or p.stat().st_size == 0 else why_profile
+
+    keys = [k for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY") if env.get(k)]
+    env_state = f"only {keys[0]} is set" if keys else "not set"
+    imds = env.get("AWS_EC2_METADATA_DISABLED", "").lower() == "true"
+    return (
+        "no AWS credentials found. boto3 looked, in this order, at: AWS_ACCESS_KEY_ID + "
+        f"AWS_SECRET_ACCESS_KEY in the environment ({env_state}); profile {profile!r} (AWS_PROFILE) in "
+        f"the credentials file {creds_file} (AWS_SHARED_CREDENTIALS_FILE; {state(creds_file)}) and the "
+        f"config file {config_file} (AWS_CONFIG_FILE; {state(config_file)}); then the container and "
+        "instance metadata endpoints ("
+        + ("off: AWS_EC2_METADATA_DISABLED=true" if imds else "none answered")
+        + "). Set both variables, or put aws_access_key_id / aws_secret_access_key under "
+        f"[{profile}] in that credentials file (the salvage and data_sync roles write the vault's "
+        "vault_s3_* keys to a 0600 file and name it in AWS_SHARED_CREDENTIALS_FILE)"
+    )
 
 
 def check_bucket(client, loc: S3Location) -> None:
@@ -150,13 +189,17 @@ def list_objects(client, loc: S3Location) -> Iterator[dict[str, Any]]:
         yield from page.get("Contents", [])
 
 
-def abort_stale_uploads(client, loc: S3Location) -> list[str]:
-    """Abort multipart uploads left under the prefix by an interrupted push; their keys."""
+def abort_stale_uploads(client, loc: S3Location, keys: set[str] | frozenset[str]) -> list[str]:
+    """Abort the multipart uploads an interrupted push left at `keys` (the set's own keys under the
+    prefix); their keys. An upload at any other key -- another set's push into a child prefix
+    (PREFIX/node-b/...) running right now, say -- is not this push's to abort and is left alone."""
     prefix = f"{loc.prefix}/" if loc.prefix else ""
     aborted = []
     paginator = client.get_paginator("list_multipart_uploads")
     for page in paginator.paginate(Bucket=loc.bucket, Prefix=prefix):
         for up in page.get("Uploads", []):
+            if up["Key"] not in keys:
+                continue
             client.abort_multipart_upload(Bucket=loc.bucket, Key=up["Key"], UploadId=up["UploadId"])
             aborted.append(up["Key"])
     return aborted

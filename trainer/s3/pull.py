@@ -2,8 +2,9 @@
 
 `pull s3://BUCKET/PREFIX DIR` (the data_sync role's S3 -> host direction) reads `PREFIX/MANIFEST.json`
 (a push or a salvage set) and, before anything is written, refuses a prefix with no manifest, an object
-that is missing or has another size than the manifest says, and a destination disk without room. Then,
-per file:
+that is missing or has another size than the manifest says, a destination disk without room, and what
+`trainer.s3.pullsafe` refuses (a link out of DIR, a write through a link, a read outside the prefix
+that `--allow-location` did not name). Then, per file:
 
 - already in DIR with the manifest's size and sha256: kept (a second pull moves 0 bytes);
 - otherwise downloaded into `DIR/.s3-partial/<path>`. A pull killed mid-way leaves that partial file
@@ -34,6 +35,7 @@ from trainer.fsutil import atomic_write_text, plan_pull, resume_offset, resume_t
 from trainer.manifest import MANIFEST_NAME, manifest_beside
 from trainer.s3 import S3Error
 from trainer.s3 import client as s3lib
+from trainer.s3.pullsafe import check_entries, check_locations, open_partial, place_file, place_link
 
 PARTIAL_DIR = ".s3-partial"
 MiB = 2**20
@@ -65,7 +67,7 @@ def _object_sizes(
     client, loc, rels: list[str], locations: dict[str, str]
 ) -> dict[str, tuple[str, str, int | None]]:
     """rel -> (bucket, key, size in S3 or None when absent): one listing for the prefix, a HEAD for
-    files a salvage set references elsewhere."""
+    files a salvage set references elsewhere (`locations`, already checked by `check_locations`)."""
     listed = {o["Key"]: o["Size"] for o in s3lib.list_objects(client, loc)}
     out = {}
     for rel in rels:
@@ -107,7 +109,7 @@ def _fetch(
             for chunk in iter(lambda: fh.read(MiB), b""):
                 digest.update(chunk)
     moved = 0
-    with open(part, "ab") as fh:
+    with open_partial(part) as fh:  # never through a symlink at the partial's name
         if offset < entry["size"]:
             kw = {"Range": f"bytes={offset}-"} if offset else {}
             body = client.get_object(Bucket=bucket, Key=key, IfMatch=etag, **kw)["Body"]
@@ -122,26 +124,6 @@ def _fetch(
     return {"resumed_from": offset, "bytes": moved, "sha256": digest.hexdigest()}
 
 
-def _place(part: Path, target: Path, entry: dict[str, Any]) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    if entry.get("mtime_ns") is not None:
-        os.utime(part, ns=(entry["mtime_ns"], entry["mtime_ns"]))
-    os.chmod(part, 0o644)
-    os.replace(part, target)
-    resume_tag_file(part).unlink(missing_ok=True)
-
-
-def _place_link(target: Path, to: str) -> bool:
-    if target.is_symlink() and os.readlink(target) == to:
-        return False
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.link-tmp")
-    tmp.unlink(missing_ok=True)
-    os.symlink(to, tmp)
-    os.replace(tmp, target)
-    return True
-
-
 def pull(
     url: str,
     dest: Path,
@@ -151,13 +133,17 @@ def pull(
     bwlimit_kbps: int = 0,
     progress: bool = True,
     client=None,
+    allow_locations: list[str] | tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """Copy s3://BUCKET/PREFIX (which has a MANIFEST.json) into `dest`, resumable, every file proven.
     Returns the report (`ok` false when a file could not be proven); raises S3Error on bad input
-    before anything is written."""
+    before anything is written: see `trainer.s3.pullsafe` for what a manifest may not do. Files the
+    manifest keeps elsewhere (`locations`) are read only from under its own prefix or a prefix in
+    `allow_locations` (`--allow-location`)."""
     from trainer.manifest import ManifestError, check_manifest, scan
 
     loc = s3lib.parse_s3_url(url)
+    allow_locations = [s3lib.parse_s3_url(a).url() for a in allow_locations]  # a bad one: exit 2 now
     dest = Path(dest)
     if dest.exists() and not dest.is_dir():
         raise S3Error(f"destination {dest} exists and is not a folder")
@@ -179,7 +165,9 @@ def pull(
         raise S3Error(str(exc)) from None
     files = {r: e for r, e in manifest["files"].items() if "sha256" in e}
     links = {r: e["symlink"] for r, e in manifest["files"].items() if "symlink" in e}
-    objects = _object_sizes(client, loc, sorted(files), manifest.get("locations", {}))
+    locations = check_locations(loc, manifest.get("locations", {}), files, allow_locations)
+    check_entries(dest, files, links, PARTIAL_DIR)
+    objects = _object_sizes(client, loc, sorted(files), locations)
     broken = [
         f"{rel}: {_why_object(size, files[rel]['size'])} (s3://{b}/{k})"
         for rel, (b, k, size) in objects.items()
@@ -239,7 +227,8 @@ def pull(
                 if attempt == 0:
                     res["resumed_from"] = got["resumed_from"]
                 if got["sha256"] == entry["sha256"]:
-                    _place(part, dest / rel, entry)
+                    place_file(part, dest, rel, entry.get("mtime_ns"))
+                    resume_tag_file(part).unlink(missing_ok=True)
                     res["ok"] = True
                     return res
                 part.unlink(missing_ok=True)  # a bad partial (or a bad transfer): once more from the start
@@ -256,8 +245,13 @@ def pull(
     with ThreadPoolExecutor(max(1, workers)) as pool:
         results = list(pool.map(one, todo))
     bar.close()
-    placed_links = sum(_place_link(dest / r, to) for r, to in links.items())
     failed = [{"path": r["path"], "error": r["error"]} for r in results if not r["ok"]]
+    placed_links = 0
+    for rel, to in links.items():
+        try:
+            placed_links += place_link(dest, rel, to)
+        except OSError as exc:  # a link or folder planted there since the check: that entry fails
+            failed.append({"path": rel, "error": f"{type(exc).__name__}: {exc}"})
     if not failed:
         # every file is in place: what is left are empty folders (or partials of files no longer named)
         shutil.rmtree(partial_root, ignore_errors=True)

@@ -11,11 +11,13 @@ transfer manager (multipart above `multipart_threshold`, parts in parallel), wit
 - resume by object: an object already present with the same sha256 in its metadata and the same size
   is skipped (a second push moves 0 bytes) -- unless the set's last verify of this prefix found it
   missing or different (`force`: a second salvage repairs what the first verify named; no object is
-  read back here, so a re-push of a large set stays cheap); multipart uploads left under the prefix by
-  an interrupted push are aborted first, so nothing half-written stays in the bucket;
+  read back here, so a re-push of a large set stays cheap); multipart uploads that an interrupted push
+  left at this set's own keys are aborted first, so nothing half-written stays in the bucket (uploads
+  at other keys, such as another set's push into a child prefix, are not touched);
 - the set's id (`set.id` of a salvage set's manifest) in every object's metadata (`x-amz-meta-dflash-set`):
-  a push refuses, before sending anything, to overwrite an object (or the manifest) of another set
-  at the same prefix (exit 2; nothing is written beside it: the prefix must name the node and the run);
+  a push asks every key it may write (a HEAD each, not only the listed ones) and refuses, before
+  sending anything, to overwrite an object (or the manifest) of another set at the same prefix
+  (exit 2; nothing is written beside it: the prefix must name the node and the run);
 - whether the bucket keeps versions (GetBucketVersioning) in the report;
 - the manifest uploaded last (`PREFIX/MANIFEST.json`): its presence means every entry was sent.
 
@@ -46,7 +48,6 @@ from trainer.s3.client import (
     check_bucket,
     get_manifest,
     head,
-    list_objects,
     make_client,
     parse_s3_url,
 )
@@ -79,18 +80,18 @@ def _plan(
     force: set[str] | None = None,
 ) -> list[dict[str, Any]]:
     """Per file: upload, skip (same sha256 at the key) or reference (same sha256 elsewhere). An object
-    already at the key carries its set's id (`owner`); a path in `force` is uploaded again."""
+    already at the key carries its set's id (`owner`); a path in `force` is uploaded again. Every key
+    the push may write is asked (a HEAD each), not only those a listing showed: an object that
+    another push put there after the listing (or that the listing did not show) is still found."""
     from concurrent.futures import ThreadPoolExecutor
 
     rels = [r for r, e in manifest["files"].items() if "sha256" in e]
-    # one listing, then a HEAD only for keys already there (their metadata: sha256 and set)
-    present = {o["Key"]: o["Size"] for o in list_objects(client, loc)}
     ours = set_id_of(manifest)
 
     def decide(rel: str) -> dict[str, Any]:
         entry = manifest["files"][rel]
         key = loc.key(rel)
-        h = head(client, loc.bucket, key) if key in present else None
+        h = head(client, loc.bucket, key)  # its metadata: sha256 and set
         owner = foreign_owner(h, ours)
         if owner is not None:
             return {"path": rel, "key": key, "size": entry["size"], "action": "refuse", "owner": owner}
@@ -237,7 +238,8 @@ def push(
     if check:
         report.update(uploaded=0, uploaded_bytes=0, failed=[], ok=True)
         return report
-    report["aborted_stale_uploads"] = abort_stale_uploads(client, loc)
+    own_keys = {p["key"] for p in plan} | {loc.key(n) for n in (MANIFEST_NAME, *records)}
+    report["aborted_stale_uploads"] = abort_stale_uploads(client, loc, own_keys)
     failed = _upload_all(
         client, loc, set_dir, manifest, todo, workers, chunk_bytes, threshold_bytes, progress, ours
     )
