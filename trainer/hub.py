@@ -56,6 +56,31 @@ class HubFailed(DflashError):
     exit_code = ExitCode.FAILED
 
 
+# where huggingface_hub's transport errors come from (httpx2 in huggingface_hub 2.x, httpx before):
+# a refused connection, a timeout, a bad URL are these, not HfHubHTTPError or OSError
+NET_LIBRARIES = ("httpx", "httpx2", "httpcore", "httpcore2", "h11", "h2", "requests", "urllib3")
+
+
+def unreachable(exc: BaseException) -> bool:
+    """True for an error of the network below the Hub's API (refused, timed out, reset, a bad URL)."""
+    return isinstance(exc, OSError) or type(exc).__module__.split(".")[0] in NET_LIBRARIES
+
+
+def check_endpoint(endpoint: str | None, what: str = "--endpoint") -> None:
+    """An endpoint must be http(s)://HOST[:PORT][/PATH]: anything else is refused before any request."""
+    if endpoint is None:
+        return
+    from urllib.parse import urlsplit
+
+    try:
+        u = urlsplit(endpoint)
+        ok = u.scheme in ("http", "https") and bool(u.hostname) and (u.port is None or u.port > 0)
+    except ValueError:  # a port that is no number, a broken [IPv6]
+        ok = False
+    if not ok:
+        raise HubError(f"{what} {endpoint!r}: expected http(s)://HOST[:PORT] (e.g. https://huggingface.co)")
+
+
 def parse_spec(spec: str, revision: str | None = None) -> tuple[str, str]:
     """`hf://ORG/NAME@REV`, `ORG/NAME@REV` or `ORG/NAME` (+ `revision`) -> (repo, revision);
     the revision defaults to `main`. A revision both in the spec and in `revision` must agree."""
@@ -122,8 +147,13 @@ def listing(api, repo: str, revision: str) -> tuple[str, dict[str, dict[str, Any
         info = api.model_info(repo, revision=revision, files_metadata=True)
     except (RepositoryNotFoundError, RevisionNotFoundError, GatedRepoError) as exc:
         raise HubError(f"hf://{repo}@{revision}: {type(exc).__name__}: {str(exc).splitlines()[0]}") from None
-    except (HfHubHTTPError, OSError) as exc:
-        raise HubFailed(f"hf://{repo}@{revision}: the Hub did not answer: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - the HTTP and network errors only, the rest re-raised
+        if not isinstance(exc, HfHubHTTPError) and not unreachable(exc):
+            raise
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise HubFailed(
+            f"hf://{repo}@{revision}: the Hub at {api.endpoint} did not answer: {type(exc).__name__}: {first}"
+        ) from None
     files: dict[str, dict[str, Any]] = {}
     for s in info.siblings or []:
         try:
@@ -190,6 +220,7 @@ def pull(
     """Copy the Hub repo `spec` at its revision into `dest`, resumable, every file proven. Returns the
     report (`ok` false when a file was refused); raises HubError on bad input before writing."""
     repo, rev = parse_spec(spec, revision)
+    check_endpoint(endpoint)
     token = read_token(token_file)
     dest = Path(dest)
     if dest.exists() and not dest.is_dir():
@@ -306,6 +337,9 @@ def fetch_file(spec: str, filename: str = "config.json", endpoint: str | None = 
 
     try:
         return Path(hf_hub_download(repo, filename, revision=rev, endpoint=endpoint))
-    except (EntryNotFoundError, LocalEntryNotFoundError, HfHubHTTPError, OSError) as exc:
+    except Exception as exc:  # noqa: BLE001 - the Hub's and the network's errors only, the rest re-raised
+        known = (EntryNotFoundError, LocalEntryNotFoundError, HfHubHTTPError)
+        if not isinstance(exc, known) and not unreachable(exc):
+            raise
         first = str(exc).splitlines()[0] if str(exc) else ""
         raise HubError(f"{filename} of hf://{repo}@{rev}: {type(exc).__name__}: {first}") from None

@@ -19,14 +19,23 @@ Light at import: huggingface_hub is imported when the push runs.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trainer import jsonin
 from trainer.fsutil import atomic_write_text
-from trainer.hub import HubError, HubFailed, listing, local_state, parse_spec, read_token
+from trainer.hub import (
+    HubError,
+    HubFailed,
+    check_endpoint,
+    listing,
+    local_state,
+    parse_spec,
+    read_token,
+    unreachable,
+)
 from trainer.hub_card import render_card
 
 EXPORT_INFO = "dflash_export.json"  # written by trainer/export.py beside the weights
@@ -47,10 +56,13 @@ class HubPush:
         if not out.exists():
             return False
         try:
-            source = Path(json.loads((out / EXPORT_INFO).read_text())["source"]).resolve()
-        except (OSError, ValueError, KeyError):
+            source = Path(jsonin.loads((out / EXPORT_INFO).read_bytes())["source"]).resolve()
+        except (OSError, ValueError, KeyError, TypeError):
             raise HubError(f"--out {out} exists and is not a finished export: choose a new folder") from None
-        given = Path(checkpoint).resolve()
+        from trainer.checkpoint import LATEST, resolve_checkpoint
+
+        given = Path(checkpoint)  # RUN/checkpoints/latest: the checkpoint it names
+        given = ((resolve_checkpoint(given) if given.name == LATEST else None) or given).resolve()
         if source != given and given not in source.parents:
             raise HubError(f"--out {out} holds an export of {source}, not of --checkpoint {checkpoint}")
         print(f"{out} already holds the export of {source}: pushing it as it is", flush=True)
@@ -62,8 +74,15 @@ class HubPush:
         from huggingface_hub.errors import HfHubHTTPError
 
         out = Path(out)
-        info = json.loads((out / EXPORT_INFO).read_text())
-        atomic_write_text(out / CARD, render_card(info, self.repo))
+        try:
+            info = jsonin.loads((out / EXPORT_INFO).read_bytes())
+            card = render_card(info, self.repo)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise HubError(
+                f"{out}/{EXPORT_INFO} is not a finished export's record ({type(exc).__name__}: {exc}): "
+                "export again into a new folder"
+            ) from None
+        atomic_write_text(out / CARD, card)
         files = {p.relative_to(out).as_posix(): p for p in sorted(out.rglob("*")) if p.is_file()}
         files = {
             rel: p for rel, p in files.items() if not any(part.startswith(".") for part in rel.split("/"))
@@ -87,8 +106,13 @@ class HubPush:
                     commit_message=f"dflash export of {Path(str(info.get('source'))).name}",
                     revision=self.revision,
                 ).oid
-        except HfHubHTTPError as exc:
-            raise HubFailed(f"push to {where}: {str(exc).splitlines()[0]}") from None
+        except Exception as exc:  # noqa: BLE001 - the HTTP and network errors only, the rest re-raised
+            if not isinstance(exc, HfHubHTTPError) and not unreachable(exc):
+                raise
+            first = str(exc).splitlines()[0] if str(exc) else ""
+            raise HubFailed(
+                f"push to {where}: the Hub at {api.endpoint} did not answer: {type(exc).__name__}: {first}"
+            ) from None
         report = {
             "hub": where,
             "commit": head,
@@ -119,6 +143,7 @@ def prepare(spec: str, revision: str | None = None, token_file: str | None = Non
 
     if constants.HF_HUB_OFFLINE:
         raise HubError("HF_HUB_OFFLINE is set: --push-to-hub uploads, so run it without it")
+    check_endpoint(os.environ.get("HF_ENDPOINT") or None, "HF_ENDPOINT")
     token = read_token(token_file) or get_token()
     if not token:
         raise HubError(

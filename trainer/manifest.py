@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trainer import jsonin
 from trainer.errors import DflashError
 from trainer.fsutil import atomic_write_text, sha256_file
 
@@ -213,8 +214,8 @@ def load_manifest(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ManifestError(f"manifest {path} does not exist")
     try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        data = jsonin.loads(path.read_bytes())
+    except (OSError, ValueError) as exc:
         raise ManifestError(f"manifest {path} is not valid JSON: {exc}") from None
     return check_manifest(data, str(path))
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from trainer import jsonin
 from trainer.errors import DflashError
 from trainer.layout.hybrid import LinearAttention, read_linear_attention
 from trainer.layout.sizing import Shapes
@@ -161,8 +162,8 @@ def stored_bytes(folder: Path) -> tuple[int, str] | None:
 def read_json(path: Path) -> dict[str, Any]:
     """A JSON object from `path`; ModelConfigError naming the file when it is unreadable or not an object."""
     try:
-        raw = json.loads(Path(path).read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raw = jsonin.loads(Path(path).read_bytes())
+    except (OSError, ValueError) as exc:
         raise ModelConfigError(f"{path} is not readable JSON ({exc})") from None
     if not isinstance(raw, dict):
         raise ModelConfigError(f"{path} is not a JSON object")

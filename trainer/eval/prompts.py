@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from trainer import jsonin
 from trainer.errors import DflashError
 from trainer.eval import benchmarks
 from trainer.eval.benchmarks import BENCHMARKS
@@ -124,7 +125,7 @@ def read_prompt_file(path: Path, limit: int | None = None) -> list[PromptLine]:
         if not raw.strip():
             continue
         try:
-            obj = json.loads(raw)
+            obj = jsonin.loads(raw)
         except json.JSONDecodeError as exc:
             raise PromptError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
         kinds = [k for k in KINDS if isinstance(obj, dict) and k in obj]

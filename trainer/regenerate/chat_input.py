@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from trainer import jsonin
 from trainer.errors import DflashError
 from trainer.fsutil import atomic_write_text
 
@@ -80,7 +81,7 @@ def read_rows(path: Path, split: str | None = None) -> Iterator[tuple[str, Any]]
                     if not raw.strip():
                         continue
                     try:
-                        yield f"{path}:{lineno}", json.loads(raw)
+                        yield f"{path}:{lineno}", jsonin.loads(raw)
                     except json.JSONDecodeError as exc:
                         raise PromptsError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
             except UnicodeDecodeError as exc:

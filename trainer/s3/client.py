@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trainer import jsonin
 from trainer.s3 import S3Error
 
 MiB = 2**20
@@ -214,7 +215,7 @@ def get_json(client, bucket: str, key: str) -> dict[str, Any] | None:
         if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
             return None
         raise
-    return json.loads(body)
+    return jsonin.loads(body)  # hostile nesting / lone surrogates: a ValueError like any bad JSON
 
 
 def get_manifest(client, bucket: str, key: str) -> dict[str, Any] | None:
