@@ -30,6 +30,7 @@ import sys
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from trainer import jsonin
 from trainer.errors import DflashError
 
 LOOPBACK = "127.0.0.1"
@@ -202,12 +203,16 @@ def cmd_sandbox(args) -> int:
 
     def load(text: str, what: str):
         try:
-            return json.loads(text)
+            return jsonin.loads(text)
+        except jsonin.BadJson as exc:  # nested too deeply, a lone surrogate: YAML would not take it either
+            raise SandboxError(f"{what}: {exc}") from None
         except json.JSONDecodeError:
             import yaml
 
+            from trainer import user_yaml
+
             try:
-                return yaml.safe_load(text)
+                return user_yaml.safe_load(text)  # a key said twice is refused, not last-wins
             except yaml.YAMLError as exc:
                 raise SandboxError(f"{what}: neither JSON nor YAML: {' '.join(str(exc).split())}") from None
 
@@ -226,8 +231,14 @@ def cmd_sandbox(args) -> int:
     else:
         config = {}
     interfaces = load(args.interfaces, "--interfaces") if args.interfaces else []
-    if not isinstance(recon, dict) or not isinstance(config or {}, dict) or not isinstance(interfaces, list):
-        raise SandboxError("--facts and --config are mappings, --interfaces a JSON list of interface facts")
+    facts_from = "--facts-json" if args.facts_json is not None else f"--facts {args.facts}"
+    for value, ok, said in (
+        (recon, isinstance(recon, dict), f"{facts_from} is not a mapping (recon's JSON report)"),
+        (config, isinstance(config or {}, dict), "--config is not a mapping (a run config)"),
+        (interfaces, isinstance(interfaces, list), "--interfaces is not a JSON list of interface facts"),
+    ):
+        if not ok:
+            raise SandboxError(f"{said}: got {type(value).__name__}")
     out = decide(
         recon,
         config or {},
