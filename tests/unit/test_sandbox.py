@@ -163,7 +163,7 @@ def test_the_verb_reads_recon_and_the_run_config_and_refuses_bad_input_in_one_li
     for bad, why in (
         (["--facts", str(tmp_path / "none.json")], "does not exist"),
         (["--facts-json", "{"], "neither JSON nor YAML"),
-        (["--facts-json", "[1]"], "mappings"),
+        (["--facts-json", "[1]"], "not a mapping"),
         (["--facts-json", "{}", "--node-address", "10.0.0.1", "--node-address", "10.0.0.2"], "none of its"),
     ):
         r = run(*bad)
