@@ -83,6 +83,60 @@ def vllm_load_check(folder: Path, target: Path, block_size: int, source: Path) -
     return {k: served[k] for k in ("engine", "dtype", "device", "engine_view", "checks", "start_s")}
 
 
+def verifier_config(verifier: str) -> tuple[dict[str, Any], str]:
+    """(the config.json of `--verifier`, where it was read): a local folder (or its config.json), an
+    `hf://REPO@REVISION`, or a Hub repo id read from the local Hugging Face cache, else from the Hub
+    (as `dflash init` and `dflash plan --target-config` find them)."""
+    from trainer.hub import HubError, fetch_file
+    from trainer.run_init import HUB_ID, hub_cache_snapshot
+    from trainer.target import ModelConfigError, read_config
+
+    path = Path(verifier).expanduser()
+    try:
+        if path.exists():
+            return read_config(path), str(path)
+        if verifier.startswith("hf://"):
+            where = fetch_file(verifier)
+        elif HUB_ID.match(verifier) and not verifier.startswith("."):
+            cached = hub_cache_snapshot(verifier)
+            where = cached / "config.json" if cached is not None else fetch_file(f"hf://{verifier}@main")
+        else:
+            raise ExportError(
+                f"--verifier {verifier}: neither a model folder here nor a Hub repo id (ORG/NAME)"
+            )
+        return read_config(where), str(where)
+    except (HubError, ModelConfigError) as exc:
+        raise ExportError(
+            f"--verifier {verifier}: its config.json cannot be read to check it is the model the drafter was "
+            f"trained for ({exc}); cache it (`hf download {verifier.removeprefix('hf://')} config.json`) "
+            "or pass its folder"
+        ) from None
+
+
+def check_verifier(verifier: str, target: Path, aux_ids: list[int]) -> str:
+    """Refuse (exit 2) a `--verifier` that is not the model the drafter was trained for: its hidden
+    size, vocabulary and layer count must be the training target's, and it must have the layers the
+    drafter reads (aux_layer_ids). Returns where its config was read."""
+    from trainer.target import read_config
+
+    conf, where = verifier_config(verifier)
+    trained = read_config(target)
+    keys = ("hidden_size", "vocab_size", "num_hidden_layers")
+    differ = [
+        f"{k} {conf.get(k)} (trained on {trained.get(k)})" for k in keys if conf.get(k) != trained.get(k)
+    ]
+    layers = conf.get("num_hidden_layers")
+    if isinstance(layers, int) and aux_ids and max(aux_ids) > layers:
+        differ.append(f"aux_layer_ids {aux_ids} reach past its {layers} layers")
+    if differ:
+        raise ExportError(
+            f"--verifier {verifier} is not the model this drafter was trained for ({where}: "
+            + "; ".join(differ)
+            + f"; the training target: {target}): pass the target's own Hub name or folder"
+        )
+    return where
+
+
 def _round_to(model, dtype: torch.dtype | None):
     """The weights as the export stores them (cast to `dtype`, back to fp32 for the probe)."""
     if dtype is not None:
@@ -127,6 +181,8 @@ def export(
             f"the target recorded in {folder}/config.json ({recorded}) is not a local model folder: "
             "pass --target DIR"
         )
+    if verifier is not None:  # another model's name in the export's config: refused before any work
+        check_verifier(verifier, target, list(cfg.get("aux_hidden_state_layer_ids") or []))
     if vllm_check:  # a family vLLM cannot serve a DFlash drafter for: refused before any work
         from trainer.eval.served import ServedError, served_family_check
 

@@ -24,7 +24,12 @@ What it writes, and by which rule (docs/start-a-run.md, "A run config for your m
   the one home of defaults), written out so they are in view; every other key is left out and takes
   its default, so `dflash plan` still chooses `train.shard`, `target.source` and the GPU split.
 - `target.path`, `data.path`, `out_dir`: relative to the file's folder when given relative (`out_dir`
-  by default: `out` beside the file; the trainer_service role sets its own).
+  by default: `out` beside the file; the trainer_service role sets its own). A Hub repo id
+  (`--target Qwen/Qwen3-32B`, read from the local Hugging Face cache) is written as the node's folder
+  `NODE_TARGET` (`{{ dflash_root }}/target` with the inventory's default root: where the data_sync hf
+  item of the runbook puts the model), never the controller's cache path; the Hub name, the data_sync
+  item and the `dflash plan --target-config hf://...` that reads it are in the file's header.
+  `--target-path` writes another path.
 
 Before writing, the config is parsed and run through preflight's config gates for the aux ids and the
 drafter (trainer/preflight/drafter.py) against the target's config: `dflash preflight` accepts it
@@ -67,6 +72,9 @@ LEVERS = {  # section -> keys written with the schema's default (the recipe: wha
 SECTIONS = {"data": DataConfig, "drafter": DrafterConfig, "train": TrainConfig}
 CAUSAL = "ForCausalLM"
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# target.path for a Hub repo id: the node's folder, {{ dflash_root }}/target with the inventory's default
+# dflash_root (inventory/group_vars/all/main.yml), where the runbook's data_sync hf item puts the model
+NODE_TARGET = Path("/opt/dflash/target")
 
 
 class InitError(DflashError, ValueError):
@@ -260,8 +268,11 @@ def build(
     out_dir: Path | None = None,
     mask_token_id: int | None = None,
     aux_count: int = AUX_COUNT,
+    hub_id: str | None = None,
+    target_path: Path | None = None,
 ) -> InitResult:
-    """The run config's text for the target in `folder` (nothing written)."""
+    """The run config's text for the target in `folder` (nothing written); `hub_id`: the Hub repo it is a
+    snapshot of; `target_path`: the target.path written instead of `folder`."""
     info, arch = read_target(folder)
     tokenizer = TokenizerFiles.from_folder(folder)
     if mask_token_id is None:
@@ -280,7 +291,7 @@ def build(
         "drafter.mask_token_id": mask_reason,
     }
     sections: dict[str, Any] = {
-        "target": {"path": _written(folder, out)},
+        "target": {"path": _written(target_path or folder, out)},
         "data": {"path": _written(data, out)},
         "drafter": {"aux_layer_ids": aux, "layer_id_convention": convention, "mask_token_id": mask},
     }
@@ -297,6 +308,16 @@ def build(
         "Keys left out take their defaults: `dflash config --schema` lists every key "
         "(docs/reference/config.md).",
     ]
+    if hub_id:
+        spec = f"hf://{hub_id}@main"
+        where = target_path or folder
+        header += [
+            f"The target is the Hub's {hub_id}; target.path is where the node holds it, which data_sync's "
+            "hf item writes:",
+            f'  data_sync_items: [{{name: target, src: "{spec}", dest: {where}, direction: hf}}]',
+            f"and the plan reads its config.json from the Hub: dflash plan --config {out.name} "
+            f"--target-config {spec}",
+        ]
     text = render(sections, comments, header)
     self_check(text, out, info)
     notes = []
@@ -326,6 +347,7 @@ def init_run(
     mask_token_id: int | None = None,
     aux_count: int | None = None,
     force: bool = False,
+    target_path: Path | None = None,
 ) -> InitResult:
     """`dflash init`: check the inputs, build the config, write it atomically."""
     out = Path(out)
@@ -334,7 +356,17 @@ def init_run(
     if out.exists() and not force:
         raise InitError(f"--out {out} exists: pass --force to overwrite it")
     folder = target_folder(target)
-    result = build(folder, Path(data), out, out_dir, mask_token_id, aux_count or AUX_COUNT)
+    hub_id = target if not Path(target).expanduser().exists() else None  # found in the HF cache
+    if hub_id and target_path is None:
+        target_path = NODE_TARGET
+    result = build(
+        folder, Path(data), out, out_dir, mask_token_id, aux_count or AUX_COUNT, hub_id, target_path
+    )
+    if hub_id:
+        result.notes.append(
+            f"target.path {target_path}: the node's copy of the Hub's {hub_id} (read here from {folder}); "
+            f"dflash plan --config {out} --target-config hf://{hub_id}@main plans it"
+        )
     try:
         atomic_write_text(out, result.text)
     except OSError as exc:

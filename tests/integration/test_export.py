@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,10 +25,14 @@ CPU = torch.device("cpu")
 
 
 def export(*args) -> subprocess.CompletedProcess:
+    return export_env(ENV, *args)
+
+
+def export_env(env, *args) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "trainer.cli", "export", *map(str, args)],
         check=False,
-        env=ENV,
+        env=env,
         capture_output=True,
         text=True,
         timeout=300,
@@ -70,9 +75,20 @@ def test_export_is_weights_only_and_reloads_bit_identically(trained_drafter, tin
     assert info["draft_block_attention"].startswith("non-causal, as trained")
 
 
-def test_bf16_export_and_verifier_name(trained_drafter, tmp_path, capsys):
+def hub_cache(root, repo_id: str, model) -> None:
+    """A Hugging Face cache holding `model`'s config.json as `repo_id` (what `hf download` leaves)."""
+    snap = root / ("models--" + repo_id.replace("/", "--")) / "snapshots" / "abc123"
+    snap.mkdir(parents=True)
+    shutil.copy(model / "config.json", snap / "config.json")
+    (snap.parents[1] / "refs").mkdir()
+    (snap.parents[1] / "refs" / "main").write_text("abc123")
+
+
+def test_bf16_export_and_verifier_name(trained_drafter, tiny_target, tmp_path, capsys, monkeypatch):
     from trainer.export import export as run_export
 
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    hub_cache(tmp_path / "hub", "Org/Target-Model", tiny_target)  # the target under its Hub name
     run_export(read_latest(trained_drafter), tmp_path / "bf16", dtype="bfloat16", verifier="Org/Target-Model")
     res = capsys.readouterr()
     tensors = load_file(str(tmp_path / "bf16" / "model.safetensors"))
@@ -98,3 +114,57 @@ def test_export_refuses_corrupt_checkpoint_and_existing_out(trained_drafter, tmp
     with pytest.raises(ExportError, match="exists: choose a new folder"):
         run_export(trained_drafter, tmp_path / "taken")
     assert not list(tmp_path.glob(".*.tmp")), "a temp folder was left behind"
+
+
+def test_a_verifier_the_drafter_was_not_trained_for_is_refused(trained_drafter, tiny_target, tmp_path):
+    """An 8B name on the tiny drafter (hidden 64, 4 layers): exit 2 naming each difference, nothing written,
+    no model card; a name whose config cannot be read is refused too (offline, not cached)."""
+    q8 = Path(__file__).resolve().parents[2] / "examples" / "qwen3-8b" / "target"
+    hub = tmp_path / "hub"
+    hub_cache(hub, "Qwen/Qwen3-8B", q8)
+    env = {**ENV, "HF_HUB_CACHE": str(hub)}
+    for verifier in ("Qwen/Qwen3-8B", str(q8)):
+        res = export_env(
+            env, "--checkpoint", trained_drafter, "--out", tmp_path / "x", "--verifier", verifier
+        )
+        assert res.returncode == 2, res.stderr[-2000:]
+        assert f"--verifier {verifier} is not the model this drafter was trained for" in res.stderr
+        assert "hidden_size 4096 (trained on 64)" in res.stderr and "num_hidden_layers 36" in res.stderr
+        assert "Traceback" not in res.stderr and not (tmp_path / "x").exists()
+    res = export_env(
+        env, "--checkpoint", trained_drafter, "--out", tmp_path / "x", "--verifier", "Org/Unknown"
+    )
+    assert res.returncode == 2 and "its config.json cannot be read" in res.stderr, res.stderr[-2000:]
+    assert not (tmp_path / "x").exists()
+    # the training target's own config under its Hub name passes
+    hub_cache(hub, "Org/Tiny", tiny_target)
+    res = export_env(env, "--checkpoint", trained_drafter, "--out", tmp_path / "ok", "--verifier", "Org/Tiny")
+    assert res.returncode == 0, res.stderr[-2000:]
+    cfg = json.loads((tmp_path / "ok" / "config.json").read_text())
+    assert cfg["speculators_config"]["verifier"]["name_or_path"] == "Org/Tiny"
+
+
+def test_the_latest_pointer_is_a_checkpoint_path_everywhere(trained_drafter, tmp_path):
+    """RUN/checkpoints/latest (a file naming the newest checkpoint, or a link to it), RUN/checkpoints
+    and RUN all name the newest checkpoint, for export (--checkpoint) and eval (--drafter) alike."""
+    from trainer.checkpoint import LATEST, checkpoints_dir, resolve_checkpoint
+    from trainer.eval.models import ModelError, resolve_drafter_dir
+
+    newest = read_latest(trained_drafter)
+    pointer = checkpoints_dir(trained_drafter) / LATEST
+    assert pointer.is_file() and not pointer.is_symlink()
+    for given in (pointer, checkpoints_dir(trained_drafter), trained_drafter, newest):
+        assert resolve_checkpoint(given) == newest and resolve_drafter_dir(given) == newest, given
+    link = tmp_path / "run" / "checkpoints"
+    link.mkdir(parents=True)
+    (link / newest.name).symlink_to(newest, target_is_directory=True)
+    (link / LATEST).symlink_to(newest.name)
+    assert resolve_drafter_dir(link / LATEST).resolve() == newest.resolve()  # a link: followed
+    (tmp_path / "stale" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "stale" / "checkpoints" / LATEST).write_text("step-00000099\n")
+    with pytest.raises(ModelError, match="names 'step-00000099', which is not a complete checkpoint"):
+        resolve_drafter_dir(tmp_path / "stale" / "checkpoints" / LATEST)
+    res = export("--checkpoint", pointer, "--out", tmp_path / "exp")
+    assert res.returncode == 0, res.stderr[-3000:]
+    info = json.loads((tmp_path / "exp" / "dflash_export.json").read_text())
+    assert info["source"] == str(newest)

@@ -144,8 +144,10 @@ def test_toolkit_already_at_the_pin_is_kept():
 
 def test_expected_group_vars_match_the_recorded_machines():
     import yaml
+    from jinja2 import Template
 
-    a100 = yaml.safe_load((GROUP_VARS / "a100.yml").read_text())
+    raw = yaml.safe_load((GROUP_VARS / "a100.yml").read_text())  # expected_gpu_model: a template
+    a100 = {k: Template(v).render() if isinstance(v, str) else v for k, v in raw.items()}
     assert check_expected(facts("a100-8x40gb"), a100) == []
     b200 = yaml.safe_load((GROUP_VARS / "b200.yml").read_text())
     assert check_expected(facts("b200-7x183gb"), b200) == ["expected 8 GPUs, found 7"]
@@ -212,14 +214,21 @@ def test_cli_facts_and_decide(tmp_path):
     assert r.returncode == 2 and "missing.csv does not exist" in r.stderr
 
 
-def test_one_gpu_groups_win_over_their_model_group_and_an_h100_alone_passes_recon():
+def test_one_gpu_groups_win_over_their_model_group_and_an_h100_alone_passes_recon(tmp_path):
     """The inventory as Ansible resolves it (`ansible-inventory --list`, group var precedence: a child
-    group's vars over its parent's): an `h100` host expects 8 GPUs, a host of `h100_1` / `h200_1` (children
-    of `h100` / `h200`) one, with the parent's model, memory and compute capability; and `dflash gpu facts
-    --expected` with those vars, on one H100's nvidia-smi output, finds nothing amiss (recon goes on)."""
+    group's vars over its parent's), with the user's own file beside the repository's (its groups hold no
+    host): an `h100` host expects 8 GPUs, a host of `h100_1` / `h200_1` (children of `h100` / `h200`) one,
+    with the parent's model, memory and compute capability; and `dflash gpu facts --expected` with those
+    vars, on one H100's nvidia-smi output, finds nothing amiss (recon goes on)."""
     inventory = Path(sys.executable).parent / "ansible-inventory"
+    groups = {"h100": "h100-example", "h100_1": "h100-1gpu-example", "h200": "h200-example"}
+    groups["h200_1"] = "h200-1gpu-example"
+    mine = {
+        "all": {"children": {g: {"hosts": {h: {"ansible_host": "192.0.2.60"}}} for g, h in groups.items()}}
+    }
+    (tmp_path / "nodes.private.yml").write_text(json.dumps(mine))
     res = subprocess.run(
-        [str(inventory), "-i", str(GROUP_VARS.parent), "--list"],
+        [str(inventory), "-i", str(GROUP_VARS.parent), "-i", str(tmp_path / "nodes.private.yml"), "--list"],
         capture_output=True,
         text=True,
         check=False,

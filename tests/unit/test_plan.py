@@ -536,3 +536,86 @@ def test_the_eval_child_is_placed_and_counted(tmp_path):
         "--config", _eval_run(tmp_path, q8, [1, 9, 17, 25, 33]), "--gpu", "H100-80GB", "--gpu-count", 8
     )
     assert p["eval_child"]["device"] == "trainer" and p["data_parallel"] == 8 and "eval" not in p["apply"]
+
+
+Q32 = FIX / "targets" / "qwen3-32b" / "config.json"
+A100x8 = ("--gpu", "A100-40GB", "--gpu-count", 8)
+
+
+def test_the_plan_answers_the_renting_question_from_the_users_samples():
+    """Regeneration hours from the samples, mean tokens and the layout's engines (vLLM TP 4 on 8 x A100-40GB
+    for Qwen3-32B: 2 engines), the memory-bound decode model recomputed here by hand; training's epochs
+    count --regenerate-samples when --samples is not given; money = hours x price x nodes."""
+    from trainer.layout.renting import HBM_EFFICIENCY, REGENERATE_CONCURRENCY
+
+    p = plan_in_process(
+        "--target-config", Q32, *A100x8, "--regenerate-samples", 100_000, "--price-per-hour", 14
+    )
+    g = p["regeneration"]
+    assert (g["tensor_parallel_size"], g["engines"], g["concurrency"]) == (4, 2, REGENERATE_CONCURRENCY)
+    # one decode step: each GPU reads its quarter of the bf16 weights and of 16 sequences' KV cache at
+    # half the mean length (64 layers x 8 KV heads x 128 x K and V x 2 B = 256 KiB a token)
+    params = p["target"]["params"]
+    per_gpu = (params * 2 + 16 * 1000 * 64 * 8 * 128 * 2 * 2) / 4
+    step_s = per_gpu / (1555e9 * HBM_EFFICIENCY)
+    tok_s = 2 * 16 / step_s
+    assert g["bound"] == "memory" and g["tokens_per_s"] == pytest.approx(tok_s, rel=1e-3)
+    assert g["hours"] == pytest.approx(100_000 * 2000 / tok_s / 3600, abs=0.06)
+    assert "1555 GB/s HBM (datasheet)" in g["source"] and "modelled, not measured" in g["source"]
+    t = p["training"]
+    assert t["samples"] == 100_000 and t["samples_source"].startswith("--regenerate-samples")
+    a100 = next(h for h in p["offline_vs_online"]["per_hardware"] if h["gpu"] == "A100-40GB")
+    assert t["tokens_per_s"] == a100["tokens_per_s"]
+    assert t["hours"] == pytest.approx(100_000 * 2000 / a100["tokens_per_s"] / 3600, abs=0.06)
+    c = p["cost"]
+    assert [(s["step"], s["nodes"]) for s in c["steps"]] == [("regeneration", 1), ("training", 1)]
+    assert c["total"] == pytest.approx((g["hours"] + t["hours"]) * 14, abs=0.01)
+    # --samples wins over --regenerate-samples; without either, the seeds' 902K, said so
+    q = plan_in_process("--target-config", Q32, *A100x8, "--regenerate-samples", 100_000, "--samples", 50_000)
+    assert q["training"]["samples"] == 50_000 and q["training"]["samples_source"] == "--samples"
+    assert q["cost"]["total"] is None and q["cost"]["node_hours"] > 0
+    d = plan_in_process("--target-config", Q32, *A100x8)
+    assert d["training"]["samples"] == 902_000 and "seeds' 902K" in d["training"]["samples_source"]
+    assert d["regeneration"] is None and [s["step"] for s in d["cost"]["steps"]] == ["training"]
+    # two nodes: training is paid twice over (hours halve with twice the GPUs), regeneration on one node
+    two = plan_in_process(
+        "--target-config", Q32, *A100x8, "--nodes", 2, "--regenerate-samples", 100_000, "--price-per-hour", 14
+    )
+    tr = next(s for s in two["cost"]["steps"] if s["step"] == "training")
+    assert tr["nodes"] == 2 and tr["cost"] == pytest.approx(tr["hours"] * 14 * 2, abs=0.01)
+    assert two["regeneration"]["hours"] == g["hours"]
+    # the text says it, in words
+    r = run_plan("--target-config", Q32, *A100x8, "--regenerate-samples", 100_000, "--price-per-hour", 14)
+    assert r.returncode == 0, r.stderr
+    lines = {line.split()[0]: line for line in r.stdout.splitlines() if line[:1].strip()}
+    assert lines["regen"].startswith(f"regen    ~{g['hours']} h: 100,000 samples x 2000 tokens on 2 vLLM")
+    assert lines["train"].startswith(f"train    ~{t['hours']} h: 1 epoch(s) of 100,000 samples")
+    assert lines["cost"].startswith(f"cost     ~{c['total']:,.2f} at 14 per node-hour")
+
+
+@pytest.mark.parametrize("price", ["-1", "nan", "inf", "ten"])
+def test_a_bad_price_exits_2_before_any_plan(price):
+    r = run_plan("--target-config", Q32, *A100x8, "--price-per-hour", price)
+    assert r.returncode == 2 and "--price-per-hour" in r.stderr and "Traceback" not in r.stderr
+    assert r.stdout == ""
+
+
+def test_a_bad_price_given_in_process_is_refused_too():
+    from trainer.layout.recipe import PlanError
+    from trainer.layout.renting import plan_cost
+
+    for bad in (-0.5, float("nan"), float("inf")):
+        with pytest.raises(PlanError, match="--price-per-hour"):
+            plan_cost(None, {"hours": 1.0}, 1, bad)
+
+
+def test_a_target_config_saved_under_another_name_is_read_for_the_disk_figure(tmp_path):
+    """--target-config FILE: the file given, not a config.json beside it (there is none here)."""
+    saved = tmp_path / "qwen3-32b-config.json"
+    saved.write_text(Q32.read_text())
+    r = run_plan("--target-config", saved, *A100x8, "--json")
+    assert r.returncode == 0, r.stderr
+    target = next(d for d in json.loads(r.stdout)["disk"]["parts"] if d["name"] == "target")
+    same = plan_in_process("--target-config", Q32, *A100x8)["disk"]["parts"][0]
+    assert target["bytes"] == same["bytes"] == 32_762_123_264 * 2
+    assert target["source"].startswith("qwen3-32b-config.json: 32,762,123,264 parameters")

@@ -229,7 +229,30 @@ def test_a_hub_repo_id_is_read_from_the_local_hub_cache_only(tmp_path, monkeypat
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text("abc123")
     assert main(args) == 0
-    assert load_config(tmp_path / "run.yaml").target.path == repo / "snapshots" / "abc123"
+    # target.path is the node's folder the data_sync hf item writes, never this machine's cache path;
+    # the Hub name, that item and the plan command that reads the config from the Hub are in the header
+    cfg = load_config(tmp_path / "run.yaml")
+    assert cfg.target.path == Path("/opt/dflash/target")
+    text = (tmp_path / "run.yaml").read_text()
+    assert str(tmp_path / "hub") not in text
+    assert "The target is the Hub's Qwen/Qwen3-8B" in text
+    assert 'src: "hf://Qwen/Qwen3-8B@main", dest: /opt/dflash/target, direction: hf' in text
+    assert "dflash plan --config run.yaml --target-config hf://Qwen/Qwen3-8B@main" in text
+    out = capsys.readouterr().out
+    assert "target.path /opt/dflash/target: the node's copy of the Hub's Qwen/Qwen3-8B" in out
+    # the recipe is the one the local folder gives; the header aside, the same file
+    local = build(EXAMPLES / "qwen3-8b" / "target", Path("data"), tmp_path / "run.yaml")
+    body = [line for line in text.splitlines() if not line.startswith("#")]
+    assert body == [
+        "  path: /opt/dflash/target" if line.startswith("  path: ") and "target" in line else line
+        for line in local.text.splitlines()
+        if not line.startswith("#")
+    ]
+    # --target-path: another node folder
+    args += ["--force", "--target-path", "/data/models/qwen3-8b"]
+    assert main(args) == 0
+    assert load_config(tmp_path / "run.yaml").target.path == Path("/data/models/qwen3-8b")
+    assert "dest: /data/models/qwen3-8b, direction: hf" in (tmp_path / "run.yaml").read_text()
 
 
 def test_bad_inputs_exit_2_with_their_message(tmp_path, monkeypatch, capsys):
@@ -247,5 +270,9 @@ def test_bad_inputs_exit_2_with_their_message(tmp_path, monkeypatch, capsys):
         (["--mask-token-id", "151936"], "outside the target vocabulary"),
         (["--out", str(tmp_path)], "is a folder"),
     ]:
-        assert main(["init", "--target", good, "--data", "data", "--out", str(out), *extra]) == 2
+        try:
+            code = main(["init", "--target", good, "--data", "data", "--out", str(out), *extra])
+        except SystemExit as exc:  # an argument's own type refuses it (argparse: exit 2, one line)
+            code = exc.code
+        assert code == 2, extra
         assert words in capsys.readouterr().err

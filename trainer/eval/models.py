@@ -150,18 +150,22 @@ def is_speculators_folder(folder: Path) -> bool:
 
 
 def resolve_drafter_dir(path: Path) -> Path:
-    """A checkpoint folder, an export, or a run's out_dir (then its `latest` checkpoint)."""
-    from trainer.checkpoint import read_latest
+    """A checkpoint folder, an export, a run's out_dir or its checkpoints/, or RUN/checkpoints/latest
+    (then the checkpoint `latest` names): trainer/checkpoint.py's `resolve_checkpoint`."""
+    from trainer.checkpoint import LATEST, resolve_checkpoint
 
     path = Path(path)
-    if (path / "config.json").is_file():
-        return path
-    latest = read_latest(path)
-    if latest is not None:
-        return latest
+    found = resolve_checkpoint(path)
+    if found is not None:
+        return found
+    if path.name == LATEST and path.is_file():
+        raise ModelError(
+            f"--drafter {path} names {path.read_text().strip()!r}, which is not a complete checkpoint in "
+            f"{path.parent}"
+        )
     raise ModelError(
         f"--drafter {path}: no config.json there and no checkpoints/latest (give a checkpoint folder, "
-        "an export of `dflash export`, or a run's out_dir)"
+        "RUN/checkpoints/latest, an export of `dflash export`, or a run's out_dir)"
     )
 
 

@@ -65,18 +65,19 @@ def target_bytes(folder: Path, dtype: str = "bfloat16") -> tuple[int, str]:
     names no width)."""
     from trainer.target import TargetInfo, read_config, stored_bytes
 
-    folder = Path(folder)
-    if folder.is_file():
-        folder = folder.parent
-    stored = stored_bytes(folder)
+    given = Path(folder)
+    config = given if given.is_file() else given / "config.json"
+    # the weights' index or headers beside a config.json (a model folder); a copy saved under another
+    # name stands alone: the folder it sits in is not the model's
+    stored = stored_bytes(config.parent) if config.name == "config.json" else None
     if stored is not None:
         return stored
-    info = TargetInfo.from_config(read_config(folder), folder / "config.json")
+    info = TargetInfo.from_config(read_config(config), config)
     kind = next((k for k in (info.stored_dtype, dtype) if k in WEIGHT_DTYPE_BYTES), None)
     width = WEIGHT_DTYPE_BYTES[kind or "bfloat16"]
     said = kind or "bfloat16 assumed: neither the config's torch_dtype nor the run's dtype names a width"
     params = info.config_params
-    return params * width, f"config.json: {params:,} parameters (dense estimate) x {width} B ({said})"
+    return params * width, f"{config.name}: {params:,} parameters (dense estimate) x {width} B ({said})"
 
 
 def spool_tokens(prefetch_batches: int, tokens_per_batch: int, longest_document: int) -> int:

@@ -11,21 +11,23 @@ from typing import Any
 
 from trainer.layout.recipe import PlanError
 
-# name -> (nvidia-smi name, memory GiB, dense bf16 TFLOPS, interconnect)
+# name -> (nvidia-smi name, memory GiB, dense bf16 TFLOPS, interconnect, HBM/GDDR GB/s): the
+# datasheets' peak figures (the memory bandwidth paces `dflash plan`'s regeneration estimate)
 GPU_CATALOG: dict[str, dict[str, Any]] = {
-    name: {"smi_name": smi, "memory_gib": gib, "bf16_tflops": tflops, "link": link}
-    for name, smi, gib, tflops, link in (
-        ("A100-40GB", "NVIDIA A100-SXM4-40GB", 40.0, 312, "NVLink 600 GB/s"),
-        ("A100-80GB", "NVIDIA A100-SXM4-80GB", 80.0, 312, "NVLink 600 GB/s"),
-        ("H100-80GB", "NVIDIA H100 80GB HBM3", 79.6, 989, "NVLink 900 GB/s"),
-        ("H200", "NVIDIA H200", 140.4, 989, "NVLink 900 GB/s"),
-        ("B200", "NVIDIA B200", 179.1, 2250, "NVLink 1800 GB/s"),
+    name: {"smi_name": smi, "memory_gib": gib, "bf16_tflops": tflops, "link": link, "hbm_gb_s": hbm}
+    for name, smi, gib, tflops, link, hbm in (
+        ("A100-40GB", "NVIDIA A100-SXM4-40GB", 40.0, 312, "NVLink 600 GB/s", 1555),
+        ("A100-80GB", "NVIDIA A100-SXM4-80GB", 80.0, 312, "NVLink 600 GB/s", 2039),
+        ("H100-80GB", "NVIDIA H100 80GB HBM3", 79.6, 989, "NVLink 900 GB/s", 3350),
+        ("H200", "NVIDIA H200", 140.4, 989, "NVLink 900 GB/s", 4800),
+        ("B200", "NVIDIA B200", 179.1, 2250, "NVLink 1800 GB/s", 8000),
         (
             "RTX-PRO-6000-96GB",
             "NVIDIA RTX PRO 6000 Blackwell Server Edition",
             95.6,
             500,
             "PCIe 5.0 x16 (~64 GB/s)",
+            1792,
         ),
     )
 }
@@ -36,6 +38,9 @@ GPU_ALIASES = {
     "H200-141GB": "H200",
     "B200-183GB": "B200",
     "A100": "A100-40GB",
+    # PCIe boards (a100_form_factor: pcie): the same chip and memory, no NVLink between the cards
+    "NVIDIA A100-PCIE-40GB": "A100-40GB",
+    "NVIDIA A100 80GB PCIE": "A100-80GB",
     "H100": "H100-80GB",
 }
 
@@ -56,14 +61,25 @@ def resolve_gpu(name: str) -> tuple[str, dict[str, Any]]:
 
 def uncatalogued_gpu(name: str, memory_gib: float) -> dict[str, Any]:
     """The spec of a GPU outside GPU_CATALOG: its memory only."""
-    return {"smi_name": name, "memory_gib": memory_gib, "bf16_tflops": None, "link": "unknown"}
+    return {
+        "smi_name": name,
+        "memory_gib": memory_gib,
+        "bf16_tflops": None,
+        "link": "unknown",
+        "hbm_gb_s": None,
+    }
 
 
 def read_facts(path: Path) -> dict[str, Any]:
+    from trainer import jsonin
+
     try:
-        return json.loads(Path(path).read_text())
-    except (OSError, ValueError) as exc:  # missing, not JSON, not UTF-8
+        facts = jsonin.loads(Path(path).read_bytes())
+    except (OSError, ValueError) as exc:  # missing, not JSON, not UTF-8, nested too deeply
         raise PlanError(f"recon facts {path}: {exc}") from None
+    if not isinstance(facts, dict) or not isinstance(facts.get("gpus", facts), dict):
+        raise PlanError(f"recon facts {path}: not GPU facts (a recon.json or `dflash gpu facts` output)")
+    return facts
 
 
 def gpus_from_facts(path: Path) -> tuple[str, dict[str, Any], int]:

@@ -26,7 +26,7 @@ from trainer.layout.disk import against_nodes, plan_disk
 from trainer.layout.eval_child import place_eval_child
 from trainer.layout.hardware import node_count, node_gpus
 from trainer.layout.hooked import choose_layout
-from trainer.layout.inference import plan_inference
+from trainer.layout.inference import kv_bytes_per_token, plan_inference
 from trainer.layout.inputs import plan_inputs
 from trainer.layout.recipe import (
     ASSUMPTIONS,
@@ -37,6 +37,13 @@ from trainer.layout.recipe import (
     describe,
     read_target,
     shapes,
+)
+from trainer.layout.renting import (
+    check_price,
+    plan_cost,
+    plan_regeneration,
+    plan_training,
+    training_samples,
 )
 from trainer.layout.report import budget_arithmetic, offline_arithmetic, render_text
 from trainer.layout.split import choose_disaggregated, disaggregated_layout
@@ -85,6 +92,7 @@ def apply_keys(plan: dict[str, Any]) -> dict[str, Any]:
 
 
 def make_plan(args) -> dict[str, Any]:
+    check_price(getattr(args, "price_per_hour", None))  # bad input: refused before any reading
     inputs = plan_inputs(args)
     target = read_target(inputs.target_config, inputs.dtype)
     nodes = node_count(args.facts, args.nodes)
@@ -152,8 +160,9 @@ def make_plan(args) -> dict[str, Any]:
     if child and plan["apply"] and child["apply"]:
         plan["apply"].update(child["apply"])
     plan["inference"] = plan_inference(target, spec["memory_gib"], count, r)  # dflash eval / regenerate
+    samples, samples_source = training_samples(args)
     arith = offline_arithmetic(
-        target, r.n_aux, args.samples, args.mean_tokens, args.epochs, count * nodes, layout["gpus_per_copy"]
+        target, r.n_aux, samples, args.mean_tokens, args.epochs, count * nodes, layout["gpus_per_copy"]
     )
     plan["offline_storage_bytes"] = arith["offline_storage_bytes"]
     plan["offline_vs_online"] = arith
@@ -181,9 +190,35 @@ def make_plan(args) -> dict[str, Any]:
             step_rate(args, gpu_name, arith),
             train.max_tokens_per_step(plan["world_size"]),
             train.max_steps,
-            args.samples * args.mean_tokens,
+            samples * args.mean_tokens,
         )
+    renting(plan, args, target, gpu_name, spec, count, arith, samples, samples_source)
     return plan
+
+
+def renting(plan, args, target, gpu_name, spec, count, arith, samples, samples_source) -> None:
+    """The renting question (trainer/layout/renting.py): regeneration and training hours, and money."""
+    plan["regeneration"] = None
+    if args.regenerate_samples:
+        plan["regeneration"] = plan_regeneration(
+            target,
+            gpu_name,
+            spec,
+            count,
+            plan["inference"]["engine"],
+            args.regenerate_samples,
+            args.mean_tokens,
+            kv_bytes_per_token(target),
+            getattr(args, "regenerate_concurrency", None),
+        )
+    try:
+        rate = step_rate(args, gpu_name, arith)
+    except PlanError:
+        if getattr(args, "rate_from", None):
+            raise
+        rate = None  # a GPU outside the catalog: no modelled rate, said in the report
+    plan["training"] = plan_training(samples, samples_source, args.mean_tokens, args.epochs, rate)
+    plan["cost"] = plan_cost(plan["regeneration"], plan["training"], plan["nodes"], args.price_per_hour)
 
 
 def step_rate(args, gpu_name: str, arith: dict[str, Any]) -> dict[str, Any]:

@@ -90,7 +90,8 @@ def read_target(config_path: Path, dtype: str = "bfloat16") -> TargetShape:
         raise PlanError(str(exc)) from None
     if dtype not in DTYPE_BYTES:
         raise PlanError(f"dtype {dtype!r}: use one of {', '.join(DTYPE_BYTES)}")
-    stored = stored_bytes(config_path.parent)
+    # the weights beside a config.json (its model folder); a copy under another name stands alone
+    stored = stored_bytes(config_path.parent) if config_path.name == "config.json" else None
     if stored is not None:
         nbytes, source = stored
         params = nbytes // DTYPE_BYTES.get(info.stored_dtype, 2)

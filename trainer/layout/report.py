@@ -9,6 +9,7 @@ from typing import Any
 from trainer.layout.disk import render as render_disk
 from trainer.layout.hardware import GPU_CATALOG
 from trainer.layout.recipe import ASSUMPTIONS, DTYPE_BYTES, TargetShape
+from trainer.layout.renting import render as render_renting
 
 
 def offline_arithmetic(
@@ -167,6 +168,8 @@ def render_text(p: dict[str, Any]) -> str:
             f"({b['ended_by']} ends it), {b['epochs']} epochs of {b['dataset_tokens']:,} tokens, at "
             f"{b['tokens_per_s']:,} tok/s, {b['seconds_per_step']} s/step, {b['rate_source']}"
         )
+    if p.get("cost"):
+        lines += render_renting(p)
     o = p["offline_vs_online"]
     lines.append(f"offline  {o['offline_storage_tb']} TB of hidden states ({o['formula']})")
     lines.append(f"         {o['online_note']}")
