@@ -5,6 +5,10 @@ Every line is written with a single O_APPEND write, so a reader never sees half 
 live writer (a torn last line after a crash is skipped by `read_events`). Light side.
 Schema: docs/reference/events.md.
 
+What is written is masked first (trainer/redact.py): the value of a secret-looking key, a URL's
+password, a token in a message never reach the file, train.log or stdout. Both files are created 0600
+(the run folder is salvaged and uploaded; other users of the node have no business reading it).
+
 Every reader (the monitor, `dflash status`/`summary`, salvage) goes through `parse_event`: a line that
 is not a JSON object, or whose known fields have the wrong type (`"step": "abc"`, a step beyond any
 run), is skipped with a warning on stderr, and reading goes on with the next line.
@@ -20,6 +24,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from trainer.redact import redact, redact_text
 
 EVENTS_SCHEMA_VERSION = 1
 EVENT_KINDS = ("run_start", "step", "checkpoint", "eval", "warning", "run_end")
@@ -58,7 +64,7 @@ class EventWriter:
     def emit(self, event: str, **fields: Any) -> dict[str, Any]:
         if event not in EVENT_KINDS:
             raise ValueError(f"unknown event kind {event!r}")
-        record = {"event": event, "time": round(time.time(), 3), "run_id": self.run_id, **fields}
+        record = redact({"event": event, "time": round(time.time(), 3), "run_id": self.run_id, **fields})
         if self.enabled:
             line = json.dumps(json_safe(record), allow_nan=False, separators=(",", ":")) + "\n"
             self._append(self.path, line)
@@ -67,14 +73,14 @@ class EventWriter:
     def log(self, message: str) -> None:
         """A human line in train.log (and stdout, for journald/supervisor)."""
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-        line = f"{stamp} {message}"
+        line = f"{stamp} {redact_text(str(message))}"
         print(line, flush=True)
         if self.enabled:
             self._append(self.log_path, line + "\n")
 
     @staticmethod
     def _append(path: Path, text: str) -> None:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         try:
             os.write(fd, text.encode())
         finally:

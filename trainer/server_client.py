@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from trainer.errors import DflashError
+from trainer.redact import redact_url
 
 
 class ServerError(DflashError, RuntimeError):
@@ -29,8 +30,17 @@ class _Engine:
 
     def __init__(self, openai, url: str, timeout_s: float, retries: int, wait_s: float = 0.0):
         self.url = url.rstrip("/")
+        url = self.shown = redact_url(self.url)  # what messages, meta.json and events say: no password
         base = self.url if self.url.endswith("/v1") else self.url + "/v1"
-        self.client = openai.OpenAI(base_url=base, api_key="EMPTY", timeout=timeout_s, max_retries=retries)
+        try:
+            self.client = openai.OpenAI(
+                base_url=base, api_key="EMPTY", timeout=timeout_s, max_retries=retries
+            )
+        except Exception as exc:  # noqa: BLE001  # httpx's InvalidURL: its text can quote part of a password
+            raise ServerError(
+                f"--server {url}: not a URL the client can use ({type(exc).__name__}; percent-encode "
+                "any / : @ in a user name or password)"
+            ) from None
         deadline = time.monotonic() + wait_s
         while True:  # an engine still loading its weights answers nothing yet: wait up to wait_s
             try:
@@ -69,13 +79,14 @@ class ServerBackend:
             raise ServerError(f"--server: the openai client is not installed ({exc})") from None
         urls = [urls] if isinstance(urls, str) else list(urls)
         if not urls or len(set(u.rstrip("/") for u in urls)) != len(urls):
-            raise ServerError(f"--server: give each engine's URL once ({', '.join(urls) or 'none given'})")
+            shown = ", ".join(map(redact_url, urls)) or "none given"
+            raise ServerError(f"--server: give each engine's URL once ({shown})")
         self.engines = [_Engine(openai, u, timeout_s, retries, wait_s) for u in urls]
         models = {e.model for e in self.engines}
         if len(models) > 1:
             raise ServerError(
                 "--server: the engines serve different models ("
-                + ", ".join(f"{e.url}: {e.model}" for e in self.engines)
+                + ", ".join(f"{e.shown}: {e.model}" for e in self.engines)
                 + "): one regeneration needs one target"
             )
         self.stop_ids = sorted(stop_ids)
@@ -83,7 +94,7 @@ class ServerBackend:
         self.model = self.engines[0].model
         limits = [e.max_model_len for e in self.engines if e.max_model_len]
         self.max_model_len = min(limits) if limits else None
-        self.url = ", ".join(e.url for e in self.engines)
+        self.url = ", ".join(e.shown for e in self.engines)
         self.version = f"server {self.url} ({self.model}, {self.engines[0].owner})"
 
     def _one(self, engine: _Engine, prompt: list[int], max_new_tokens: int) -> list[int]:
@@ -109,12 +120,12 @@ class ServerBackend:
         ids = extra.get("token_ids")
         if ids is None:
             raise ServerError(
-                f"--server {engine.url}: the answer carries no token ids (the server does not support "
+                f"--server {engine.shown}: the answer carries no token ids (the server does not support "
                 "return_token_ids; vllm serve does)"
             )
         seen = extra.get("prompt_token_ids")
         if seen is not None and list(seen) != list(prompt):
-            raise ServerError(f"--server {engine.url}: the server read other prompt tokens than were sent")
+            raise ServerError(f"--server {engine.shown}: the server read other prompt tokens than were sent")
         return list(ids)
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:

@@ -473,3 +473,86 @@ def test_cli_status_watch_follows_the_run_until_ctrl_c(tmp_path):
     os.close(master)
     err = proc.stderr.read()
     assert "Traceback" not in err, err[-2000:]
+
+
+def write_raw_run_with_secrets(out: Path) -> list[str]:
+    """A run folder whose files hold secrets, written as an older writer (or another program) could have:
+    raw lines, no masking on the way in. Returns the secrets, one per place the views read."""
+    secrets = [f"Mon{n}Secret" for n in range(1, 8)]
+    t = time.time()
+    events = [
+        {
+            "event": "run_start",
+            "time": t - 30,
+            "run_id": "leaky",
+            "pid": os.getpid(),
+            "config": {"hf_token": secrets[0]},
+            "layout": {"source_url": f"http://u:{secrets[1]}@127.0.0.1:8000/v1", "apiKey": secrets[2]},
+            "totals": {"total_steps": 10, "total_tokens": 1000},
+        },
+        {"event": "step", "time": t - 20, "run_id": "leaky", "step": 1, "total_steps": 10, "loss": 2.0},
+        {
+            "event": "eval",
+            "time": t - 15,
+            "run_id": "leaky",
+            "step": 1,
+            "tau": 1.5,
+            "prompts": f"https://b.s3.example/p.jsonl?X-Amz-Signature={secrets[3]}&X-Amz-Expires=60",
+        },
+        {
+            "event": "warning",
+            "time": t - 10,
+            "run_id": "leaky",
+            "kind": "x",
+            "message": f"--hf-token {secrets[4]}",
+        },
+        {
+            "event": "run_end",
+            "time": t - 5,
+            "run_id": "leaky",
+            "status": "failed",
+            "error": f"Cookie: {secrets[5]}",
+        },
+    ]
+    out.mkdir(parents=True)
+    (out / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    (out / "train.log").write_text(f"tracker failed: MLFLOW_TRACKING_URI=http://user:{secrets[6]}@h:5000\n")
+    return secrets
+
+
+def test_a_secret_in_the_run_files_reaches_no_view(tmp_path, served):
+    """Planted in events.jsonl and train.log directly (the writer masks what it writes; these views must
+    not rely on that): /api/status, the live stream, /api/events, /api/log, /metrics, `dflash status`
+    (screen and --json) and `dflash summary`."""
+    secrets = write_raw_run_with_secrets(tmp_path / "run")
+    srv = served(root=tmp_path / "run")
+    status = srv.json("/api/status")
+    assert status["layout"]["source_url"] == "http://u:***@127.0.0.1:8000/v1"
+    assert status["last_eval"]["prompts"].endswith("X-Amz-Signature=***&X-Amz-Expires=60")
+    served_bytes = b"".join(
+        srv.request(p)[1] for p in ["/api/status", "/api/events?since=0", "/api/log?lines=50", "/metrics"]
+    )
+    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=10)
+    conn.request("GET", "/api/stream", headers={"Host": "localhost"})
+    resp = conn.getresponse()
+    stream = b""
+    while b"\n\n" not in stream:  # the init message: status, curves, the log tail, the runs
+        stream += resp.fp.readline()
+    conn.close()
+    assert stream.startswith(b"event: init") and b"MLFLOW_TRACKING_URI=http://user:***@h:5000" in stream
+    outputs = [
+        subprocess.run(
+            [*DFLASH, *args, "--run-dir", str(tmp_path / "run")],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**ENV, "COLUMNS": "200"},
+            check=True,
+        ).stdout
+        for args in (["status", "--json"], ["status"], ["summary"])
+    ]
+    assert json.loads(outputs[0])["end"]["error"] == "Cookie: ***"
+    assert "trainer warning: --hf-token ***" in outputs[1]
+    for secret in secrets:
+        assert secret.encode() not in served_bytes + stream, secret
+        assert not any(secret in out for out in outputs), secret

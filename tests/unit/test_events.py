@@ -177,3 +177,34 @@ def test_no_field_of_any_kind_with_a_wrong_value_crashes_summary_monitor_or_stat
                 snap = mon.snapshot(time.time(), None, Thresholds())
                 dumps(snap)
                 Console(file=io.StringIO(), width=120).print(render(snap, []))
+
+
+def test_secrets_given_to_the_writer_reach_neither_file_nor_stdout_and_both_files_are_0600(tmp_path, capsys):
+    """The writer is the sink: a config key, a URL in a message, a tracker's error, a flag in a command
+    line are masked before anything is written; the files are created 0600 (under a umask that would
+    allow 0666, so a later chmod is not what makes them private)."""
+    import os
+
+    old = os.umask(0)
+    try:
+        w = EventWriter(tmp_path, "r")
+        w.emit(
+            "run_start",
+            config={"target": {"path": "/m"}, "hf_token": "Ev1Secret", "drafter": {"mask_token_id": 7}},
+            layout={"source_url": "http://u:Ev2Secret@127.0.0.1:8000/v1"},
+        )
+        w.emit("warning", kind="tracker_failed", message="MLFLOW_TRACKING_URI=http://:Ev3Secret@h failed")
+        w.emit("run_end", status="failed", error="vllm serve m --api-key Ev4Secret --hf-token Ev5Secret")
+        w.log("regenerate --server http://user:Ev6/Secret@10.0.0.1:8000 did not answer")
+    finally:
+        os.umask(old)
+    stdout = capsys.readouterr().out
+    written = (tmp_path / "events.jsonl").read_text() + (tmp_path / "train.log").read_text()
+    for n in range(1, 7):
+        assert f"Ev{n}" not in written and f"Ev{n}" not in stdout
+    start = load_events(tmp_path / "events.jsonl")[0]
+    assert start["config"]["hf_token"] == "***" and start["config"]["drafter"]["mask_token_id"] == 7
+    assert start["layout"]["source_url"] == "http://u:***@127.0.0.1:8000/v1"
+    assert "http://user:***@10.0.0.1:8000 did not answer" in stdout
+    for name in ("events.jsonl", "train.log"):
+        assert (tmp_path / name).stat().st_mode & 0o777 == 0o600

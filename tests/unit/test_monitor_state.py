@@ -1,6 +1,7 @@
 """The monitor's light parts on real files: the incremental follower (offsets, truncation, rotation, a
 file that does not exist yet), the tail of a large log, the run state (progress, ETA, resume replay,
-NaN), alerts, redaction, min/max decimation, and `dflash summary` sharing the same state."""
+NaN), alerts, a log line too long to serve, min/max decimation, and `dflash summary` sharing the same
+state."""
 
 from __future__ import annotations
 
@@ -20,7 +21,6 @@ from trainer.monitor.state import RunState, minmax_indices
 from trainer.monitor.summary import render_summary, summarize
 from trainer.monitor.system import parse_nvidia_smi, process_alive
 from trainer.monitor.tailer import Follower, tail_lines
-from trainer.redact import redact, redact_text
 
 
 def start_event(total=100, pid=None, t=None, **kw):
@@ -101,6 +101,44 @@ def test_tail_lines_reads_from_the_end_without_scanning_the_file(tmp_path):
     assert tail_lines(path, 3) == ["step 997", "step 998", "step 999"]
     assert tail_lines(tmp_path / "missing.log", 3) == []
     assert tail_lines(path, 0) == []
+
+
+def test_a_long_log_line_is_cut_with_a_marker_and_offsets_stay_right(tmp_path):
+    path = tmp_path / "train.log"
+    path.write_bytes(b"a\n" + b"x" * 5000)  # a long line, still being written
+    f = Follower(path, max_read=1024, max_line=100)
+    lines = []
+    while f.pending or not lines:
+        lines += f.poll().lines
+    with open(path, "ab") as fh:
+        fh.write(b"yz\nb\n")
+    c = f.poll()
+    assert lines == [b"a"] and c.lines[1] == b"b" and c.offsets == [2, 5005]
+    assert c.lines[0] == b"x" * 100 + b" [... line cut: 5,002 bytes in all]"
+    assert Follower(path).poll().lines[1] == b"x" * 5000 + b"yz"  # the event stream keeps every byte
+    assert tail_lines(path, 2, max_line=100) == [c.lines[0].decode(), "b"]
+
+
+def test_one_50_mb_log_line_costs_the_monitor_little_cpu(tmp_path):
+    """Issue #48: one 50 MB line in train.log took the monitor ~9 s of CPU (the partial line copied and
+    searched again on every 1 MiB read, then masked whole) and was served whole to the page."""
+    w = EventWriter(tmp_path, "r")
+    w.emit("run_start", totals={"total_steps": 5})
+    w.log("started")
+    mon = RunMonitor(".", tmp_path)
+    mon.refresh()
+    with open(tmp_path / "train.log", "ab") as fh:
+        fh.write(b"token=abc://x " * (50_000_000 // 14) + b"\n")
+    w.log("after the long line")
+    t0 = time.process_time()
+    for _ in range(200):  # 1 MiB a poll: about 50 polls
+        mon.refresh()
+        if mon.log_tail(1)[0].endswith("after the long line"):
+            break
+    cpu = time.process_time() - t0
+    long_line = mon.log_tail(2)[0]
+    assert long_line.endswith("bytes in all]") and len(long_line) < 20_000 and "abc" not in long_line
+    assert cpu < 2.0, f"{cpu:.2f} s of CPU for one 50 MB line"
 
 
 # ---------------------------------------------------------------- state
@@ -343,63 +381,6 @@ def test_find_runs_lists_run_folders_and_a_pending_root(tmp_path):
     EventWriter(tmp_path / "root" / "first", "f").emit("run_start")
     pending.rescan()
     assert list(pending.runs) == ["first"]  # the placeholder gives way to the real run
-
-
-def test_redaction_masks_secret_keys_and_token_shaped_text_only():
-    ev = {
-        "config": {
-            "hf_token": "x1",
-            "max_tokens_per_batch": 4096,
-            "s3": {"aws_secret_access_key": "k", "bucket": "b"},
-        },
-        "tokens": 12,
-        "tokens_per_s": 3.5,
-        "password": "p",
-    }
-    out = redact(ev)
-    assert out["config"]["hf_token"] == "***" and out["config"]["s3"]["aws_secret_access_key"] == "***"
-    assert out["config"]["max_tokens_per_batch"] == 4096 and out["tokens"] == 12 and out["password"] == "***"
-    assert out["config"]["s3"]["bucket"] == "b"
-    line = "key AKIAABCDEFGHIJKLMNOP hf_abcdefghijklmnopqrstuvwxyz Authorization: Bearer abc.def.ghi tokens 5"
-    masked = redact_text(line)
-    assert (
-        "AKIA" not in masked and "hf_abc" not in masked and "abc.def" not in masked and "tokens 5" in masked
-    )
-
-
-@pytest.mark.parametrize(
-    "line, secret, kept",
-    [
-        (
-            "clone https://user:hunter2pw@git.example.com/x.git",
-            "hunter2pw",
-            "https://user:***@git.example.com",
-        ),
-        ('{"password": "p w x", "tokens": 5}', "p w x", '"tokens": 5'),
-        ("{'secret': 'abc123', 'bucket': 'b'}", "abc123", "'bucket': 'b'"),
-        ('{"aws_secret_access_key":"Zq/9kk","max_tokens":8}', "Zq/9kk", '"max_tokens":8'),
-        ("temporary key ASIAABCDEFGHIJKLMNOP in use", "ASIAABCDEFGHIJKLMNOP", "temporary key *** in use"),
-        ("vllm serve m --token abc123 --max-new-tokens 5", "abc123", "--max-new-tokens 5"),
-        ("cmd --password hunter2 --hf-token=xyz789 --port 80", "hunter2", "--port 80"),
-        ("cmd --hf-token=xyz789 --port 80", "xyz789", "--hf-token=***"),
-        ("Authorization: Basic dXNlcjpwYXNz", "dXNlcjpwYXNz", "Authorization: Basic ***"),
-        ('"authorization": "token t0ps3cret"', "t0ps3cret", '"authorization": "token ***'),
-        ("AWS_SESSION_TOKEN=FwoGZXIvYXdz tokens 5", "FwoGZXIvYXdz", "tokens 5"),
-    ],
-)
-def test_redaction_covers_urls_json_cli_flags_temporary_keys_and_basic_auth(line, secret, kept):
-    masked = redact_text(line)
-    assert secret not in masked and kept in masked, masked
-    assert redact({"message": line})["message"] == masked  # event strings get the same treatment
-
-
-def test_redaction_leaves_ordinary_lines_alone():
-    for line in (
-        "http://localhost:8000/v1 ready",
-        "step 5 tokens 5000 tokens_per_s: 3.5 max_new_tokens=64",
-        "basic checks passed; --max-tokens 12",
-    ):
-        assert redact_text(line) == line
 
 
 def test_parse_nvidia_smi_rows():

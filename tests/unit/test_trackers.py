@@ -13,7 +13,7 @@ from trainer.events import EventWriter, load_events
 from trainer.preflight.report import PreflightReport
 from trainer.preflight.trackers import trackers_gate
 from trainer.trackers import TrackerPackageMissing, start_trackers
-from trainer.trackers.clients import Tracker, mlflow_key, redact_url, run_params
+from trainer.trackers.clients import MlflowTracker, Tracker, mlflow_key, run_params
 from trainer.trackers.follow import TrackerHub, figures
 
 
@@ -172,8 +172,6 @@ def test_run_params_are_flat_and_a_tracking_uri_is_said_without_its_credentials(
         "layout.device": "cpu",
         "totals": None,
     }
-    assert redact_url("https://user:secret@mlflow.example:5000/x") == "https://***@mlflow.example:5000/x"
-    assert redact_url("file:///runs/mlruns") == "file:///runs/mlruns"
     assert (
         mlflow_key("totals.data.len<16") == "totals.data.len_16"
         and mlflow_key("eval/tree_tau/4") == "eval/tree_tau/4"
@@ -218,3 +216,31 @@ def test_the_sidecar_process_follows_the_run_warns_once_and_ends_when_told(tmp_p
     warnings = [e for e in load_events(tmp_path / "events.jsonl") if e["event"] == "warning"]
     assert [(w["kind"], w["tracker"]) for w in warnings] == [("tracker_failed", "raising_on_log")]
     assert "tracker raising_on_log started" in (tmp_path / "train.log").read_text()
+
+
+class LeakyStart(Tracker):
+    """Fails to start with the message MLflow gives for a server it cannot reach: the URI, password and
+    all."""
+
+    name = "leaky"
+
+    def start(self, run):
+        raise RuntimeError(
+            "API request to endpoint /api/2.0/mlflow/experiments/get-by-name failed: "
+            "MLFLOW_TRACKING_URI=http://user:Tr4ckPW@mlflow.example:5000 is unreachable"
+        )
+
+
+def test_a_tracker_error_with_a_password_reaches_no_file_and_no_stdout(tmp_path, monkeypatch, capsys):
+    events = EventWriter(tmp_path, "r")
+    hub = TrackerHub(events, [LeakyStart(tmp_path, "p", "r")], close_timeout_s=5, poll_s=0.02).start()
+    a_run(events, steps=2)
+    hub.close()
+    written = (tmp_path / "events.jsonl").read_text() + (tmp_path / "train.log").read_text()
+    printed = capsys.readouterr()
+    warning = next(e for e in load_events(tmp_path / "events.jsonl") if e.get("tracker") == "leaky")
+    assert "http://user:***@mlflow.example:5000 is unreachable" in warning["message"]
+    assert "Tr4ckPW" not in written and "Tr4ckPW" not in printed.out + printed.err
+    # the one place the trackers say a URI themselves: MLflow's `where` in train.log
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "https://bob:Tr4ckPW@mlflow.example/x?token=t0k")
+    assert MlflowTracker(tmp_path, "p", "r").where() == "https://***@mlflow.example/x?token=***"

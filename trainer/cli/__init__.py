@@ -18,15 +18,22 @@ import sys
 
 from trainer.cli import evaluate, node, run, salvage, watch
 from trainer.errors import DflashError, ExitCode
+from trainer.redact import redact_text
 
 AREAS = (run, evaluate, watch, node, salvage)
 S3_LIBRARIES = ("botocore", "boto3", "s3transfer", "urllib3")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a refused argument is one line (`dflash VERB: error: argument --x: ...`), without
+    the usage block above it; `--help` still shows the usage. The verbs' subparsers are of this class too."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see: {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="dflash", description="Online DFlash drafter training: preflight, train, inspect."
-    )
+    parser = _Parser(prog="dflash", description="Online DFlash drafter training: preflight, train, inspect.")
     sub = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
     for area in AREAS:
         area.register(sub)
@@ -36,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
 def verb_name(args: argparse.Namespace) -> str:
     """`salvage stop`, `s3 pull`, `manifest verify`, `eval`: the words a user typed, for messages."""
     words = [args.verb]
-    for attr in ("salvage_verb", "s3_cmd", "manifest_cmd", "gpu_cmd", "service_cmd"):
+    for attr in ("salvage_verb", "s3_cmd", "manifest_cmd", "gpu_cmd", "service_cmd", "hub_cmd"):
         if getattr(args, attr, None):
             words.append(getattr(args, attr))
     return " ".join(words)
@@ -62,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         return _stdout_gone()
     except DflashError as exc:
-        print(f"dflash {verb_name(args)}: {exc}", file=sys.stderr)
+        print(f"dflash {verb_name(args)}: {redact_text(str(exc))}", file=sys.stderr)  # a URL's password
         return int(exc.exit_code)
     except Exception as exc:
         # S3 trouble outside the per-object handling (the endpoint died while listing, say): one clear
@@ -70,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         if type(exc).__module__.split(".")[0] not in S3_LIBRARIES:
             raise
         print(
-            f"dflash {verb_name(args)}: S3 failed: {type(exc).__name__}: {exc}; "
+            f"dflash {verb_name(args)}: S3 failed: {type(exc).__name__}: {redact_text(str(exc))}; "
             "nothing is marked complete: run it again",
             file=sys.stderr,
         )

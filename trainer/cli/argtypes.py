@@ -90,3 +90,14 @@ def duration(text: str) -> str:
     except DurationError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return text.strip()
+
+
+def out_file(text: str):
+    """A file to write (`--out REPORT.json`): an existing folder there is refused before any work, so
+    no temp file is left beside it and nothing is written into it."""
+    from pathlib import Path
+
+    p = Path(text)
+    if p.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a folder: name the file to write")
+    return p

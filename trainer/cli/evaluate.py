@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from trainer.cli.argtypes import count, nonnegative, positive, seconds
+from trainer.cli.argtypes import count, nonnegative, out_file, positive, seconds
 
 
 def _checks(text: str) -> int:
@@ -46,6 +46,10 @@ def _template_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_eval(args) -> int:
+    from trainer.eval.prompts import is_prompt_set, read_prompt_file
+
+    if not is_prompt_set(args.prompts):  # a bad prompt file is refused before torch is imported (~2 s)
+        read_prompt_file(args.prompts, args.limit)
     from trainer.eval.run import EvalOptions, run_eval
 
     return run_eval(
@@ -165,7 +169,9 @@ def register(sub) -> None:
         "humaneval, mt-bench, gsm8k, math500, alpaca (the last four fetched from the Hub once, then cached)",
     )
     p.add_argument("--max-new-tokens", type=positive, default=128)
-    p.add_argument("--out", required=True, type=Path, help="REPORT.json (REPORT.md and REPORT.png beside it)")
+    p.add_argument(
+        "--out", required=True, type=out_file, help="REPORT.json (REPORT.md and REPORT.png beside it)"
+    )
     p.add_argument("--block-size", type=positive, default=None, help="default: the drafter's")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument(
@@ -231,7 +237,10 @@ def register(sub) -> None:
         help="weights-only speculators folder of a checkpoint, reload-verified; prints the vllm line",
     )
     p.add_argument(
-        "--checkpoint", required=True, type=Path, help="checkpoint folder or a run's out_dir (its latest)"
+        "--checkpoint",
+        required=True,
+        type=Path,
+        help="checkpoint folder, RUN/checkpoints/latest or a run's out_dir (its latest)",
     )
     p.add_argument("--out", required=True, type=Path, help="new folder (must not exist)")
     p.add_argument(
@@ -243,7 +252,9 @@ def register(sub) -> None:
     p.add_argument(
         "--verifier",
         default=None,
-        help="verifier name or path written into the export's config (what the server loads)",
+        help="verifier name or path written into the export's config (what the server loads); its "
+        "config.json (a folder, hf://REPO@REV, or ORG/NAME from the HF cache or the Hub) must be the "
+        "training target's (hidden size, vocabulary, layers), else exit 2",
     )
     p.add_argument(
         "--dtype",
@@ -357,7 +368,7 @@ def register(sub) -> None:
     )
     p.add_argument("input", type=Path, help="JSON lines, a parquet file or a datasets.save_to_disk folder")
     p.add_argument("--format", required=True, choices=("sharegpt", "ultrachat", "messages", "prompt"))
-    p.add_argument("--out", required=True, type=Path, help="OUT.jsonl (written atomically)")
+    p.add_argument("--out", required=True, type=out_file, help="OUT.jsonl (written atomically)")
     p.add_argument(
         "--thinking",
         choices=("on", "off"),
@@ -367,6 +378,6 @@ def register(sub) -> None:
     p.add_argument("--split", default=None, help="the split of a saved DatasetDict (default: its only one)")
     p.add_argument("--limit", type=positive, default=None, help="stop after N kept rows")
     p.add_argument(
-        "--report", type=Path, default=None, help="the report's path (default: OUT.jsonl.report.json)"
+        "--report", type=out_file, default=None, help="the report's path (default: OUT.jsonl.report.json)"
     )
     p.set_defaults(func=cmd_prompts)

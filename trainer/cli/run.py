@@ -7,7 +7,7 @@ import argparse
 import json
 from pathlib import Path
 
-from trainer.cli.argtypes import nonnegative, port, positive
+from trainer.cli.argtypes import nonnegative, out_file, port, positive
 from trainer.errors import ExitCode
 
 
@@ -40,6 +40,7 @@ def cmd_init(args) -> int:
         mask_token_id=args.mask_token_id,
         aux_count=args.aux_count,
         force=args.force,
+        target_path=args.target_path,
     )
     print(result.render())
     return ExitCode.OK
@@ -119,8 +120,17 @@ def cmd_serve_target(args) -> int:
     import shlex
     import sys
 
+    from trainer.monitor.server import is_loopback
     from trainer.sources.vllm_server import owned_server_command, server_environment
 
+    if not is_loopback(args.host) and not args.allow_remote:
+        from trainer.config import ConfigError
+
+        raise ConfigError(
+            f"--host {args.host}: refusing a non-loopback address: the hidden-states server has no "
+            "authentication (anyone who reaches the port drives the target); keep 127.0.0.1, or pass "
+            "--allow-remote on a private network"
+        )
     cfg = _load(args)
     cmd, changes, storage = owned_server_command(cfg, args.port, host=args.host)
     env, notes = server_environment(os.environ, changes)
@@ -153,8 +163,14 @@ def register(sub) -> None:
         help="the target's local model folder (a Hub repo id: only a copy already here, in the HF cache)",
     )
     p.add_argument("--data", required=True, type=Path, help="the dataset folder the run trains on")
-    p.add_argument("--out", required=True, type=Path, help="the run config YAML to write")
+    p.add_argument("--out", required=True, type=out_file, help="the run config YAML to write")
     p.add_argument("--out-dir", type=Path, help="the run folder (default: out/ beside the YAML)")
+    p.add_argument(
+        "--target-path",
+        type=Path,
+        help="target.path to write (default: a Hub repo id's node folder /opt/dflash/target, where "
+        "data_sync's hf item puts it; a local folder as given)",
+    )
     p.add_argument(
         "--mask-token-id", type=int, help="use this mask token (checked) instead of the rule's choice"
     )
@@ -195,7 +211,7 @@ def register(sub) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--source", choices=("hooked", "vllm"), help="override target.source")
     p.add_argument("--samples", type=positive, default=8, help="how many samples, in dataset order (8)")
-    p.add_argument("--out", type=Path, help="the .safetensors file to write")
+    p.add_argument("--out", type=out_file, help="the .safetensors file to write")
     p.add_argument("--compare", nargs=2, type=Path, metavar=("A", "B"), help="compare two capture files")
     p.add_argument(
         "--tolerance", type=nonnegative, help="--compare: exit 1 when a relative difference is above this"
@@ -208,7 +224,14 @@ def register(sub) -> None:
     )
     _add_config_args(p)
     p.add_argument("--port", type=port, default=8100, help="port to listen on (8100)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1)")
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (127.0.0.1; another needs --allow-remote)"
+    )
+    p.add_argument(
+        "--allow-remote",
+        action="store_true",
+        help="allow a non-loopback --host (the server has no authentication: a private network only)",
+    )
     p.add_argument("--print-command", action="store_true", help="print the command, do not run it")
     p.set_defaults(func=cmd_serve_target)
 

@@ -27,6 +27,7 @@ EVENTS = "events.jsonl"
 LOG = "train.log"
 LOG_RING = 500  # log lines kept in memory for live clients
 LOG_BACKLOG = 256 * 1024  # bytes of an existing log read on first contact
+LOG_MAX_LINE = 16 * 1024  # a longer log line is cut (with a marker) before it is masked and served
 SKIP_DIRS = {"checkpoints", "__pycache__", "node_modules"}
 
 
@@ -37,7 +38,7 @@ class RunMonitor:
         self.state = RunState()
         self.offsets = array("q")  # byte offset of event i in events.jsonl
         self.events = Follower(self.path / EVENTS)
-        self.log = Follower(self.path / LOG, backlog_bytes=LOG_BACKLOG)
+        self.log = Follower(self.path / LOG, backlog_bytes=LOG_BACKLOG, max_line=LOG_MAX_LINE)
         self.log_lines: deque[tuple[int, str]] = deque(maxlen=LOG_RING)
         self.log_seq = 0  # number of log lines seen (sequence of the next one)
         self.log_resets = 0
@@ -106,7 +107,7 @@ class RunMonitor:
         with self.lock:
             if n <= len(self.log_lines):
                 return [line for _, line in list(self.log_lines)[-n:]] if n > 0 else []
-        return [redact_text(line) for line in tail_lines(self.path / LOG, n)]
+        return [redact_text(line) for line in tail_lines(self.path / LOG, n, max_line=LOG_MAX_LINE)]
 
     def log_since(self, seq: int) -> tuple[int, list[str]]:
         with self.lock:
@@ -161,8 +162,8 @@ class RunMonitor:
                 "checkpoints": len(st.checkpoints),
                 "last_eval": _eval_view(st.evals[-1]) if st.evals else None,
                 "tau_curve": st.tau_curve(),  # the page's τ chart (few points: one per eval)
-                "warnings": redact(st.warnings[-20:]),
-                "end": redact(st.end),
+                "warnings": st.warnings[-20:],
+                "end": st.end,
                 "disk": dk,
                 "system": system,
                 "log_lines": self.log_seq,
@@ -170,7 +171,9 @@ class RunMonitor:
             }
             snap["alerts"] = alerts_mod.evaluate(st, now, th, dk, alive)
             snap["summary"] = st.summary() if st.finished else None
-            return snap
+            # every view of a run (/api/status, the live stream, /metrics, `dflash status`) is built
+            # from this snapshot: masked once here (the layout, the last eval, warnings, the end)
+            return redact(snap)
 
 
 def _hs_wait_share(step: dict) -> float | None:
@@ -304,7 +307,10 @@ class Hub:
             try:
                 self.refresh()
             except Exception as exc:  # noqa: BLE001  # a poll must never kill the page; the next one retries
-                print(f"dflash monitor: refresh failed: {type(exc).__name__}: {exc}", flush=True)
+                print(
+                    f"dflash monitor: refresh failed: {type(exc).__name__}: {redact_text(str(exc))}",
+                    flush=True,
+                )
 
     def stop(self) -> None:
         self._stop.set()

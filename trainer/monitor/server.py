@@ -321,12 +321,14 @@ class Handler(BaseHTTPRequestHandler):
             gen = hub.wait(gen, HEARTBEAT_S)
 
 
+HOST_HEADER = re.compile(r"(\[[0-9a-f:.]+\]|[a-z0-9.-]+)(?::[0-9]{1,5})?")
+
+
 def host_name(header: str) -> str:
-    """The name part of a Host header: `localhost:8080` -> `localhost`, `[::1]:8080` -> `[::1]`."""
-    header = header.strip().lower()
-    if header.startswith("["):
-        return header.split("]", 1)[0] + "]"
-    return header.rsplit(":", 1)[0] if ":" in header else header
+    """The name part of a Host header: `localhost:8080` -> `localhost`, `[::1]:8080` -> `[::1]`; a header
+    that is not strictly HOST[:PORT] (`localhost:evil.com`, `[::1]x`) has no name: ""."""
+    m = HOST_HEADER.fullmatch(header.strip().lower())
+    return m.group(1) if m else ""
 
 
 def _int(query: dict[str, list[str]], key: str, default: int) -> int:

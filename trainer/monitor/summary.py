@@ -9,6 +9,7 @@ from typing import Any
 from trainer.errors import DflashError
 from trainer.events import load_events
 from trainer.monitor.state import state_from_events
+from trainer.redact import redact
 
 
 class NoEventsError(DflashError, FileNotFoundError):
@@ -21,7 +22,7 @@ def summarize(run_dir: Path) -> dict[str, Any]:
     events = load_events(Path(run_dir) / "events.jsonl")
     if not events:
         raise NoEventsError(f"{run_dir}/events.jsonl is missing or empty: has the run started?")
-    return {"run_dir": str(run_dir), **state_from_events(events).summary()}
+    return redact({"run_dir": str(run_dir), **state_from_events(events).summary()})  # warnings, layout
 
 
 def render_summary(run_dir: Path) -> str:

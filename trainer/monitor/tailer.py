@@ -4,6 +4,10 @@
 (reporting a reset) only when the file is replaced (new inode: rotation) or shrinks below the offset
 (truncation). A missing file is not an error: the run may not have started yet. No file handle is kept
 open between reads, so a rotated or deleted log is not pinned on disk.
+
+A log's lines are cut at `max_line` bytes (with a marker saying how long the line was) before anyone
+decodes, masks or serves them: one 50 MB line then costs what 16 KiB do, and only `max_line` bytes of
+it are ever held in memory.
 """
 
 from __future__ import annotations
@@ -13,6 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 CHUNK = 1 << 20  # one read() call
+
+
+def cut_line(line: bytes, keep: int, total: int) -> bytes:
+    """The first `keep` bytes of a line of `total` bytes, and a marker saying it was cut."""
+    return line[:keep] + f" [... line cut: {total:,} bytes in all]".encode()
 
 
 @dataclass
@@ -29,21 +38,30 @@ class Follower:
     before the end instead of reading a possibly huge file from its start. None reads from byte 0
     (the event stream, whose every line matters)."""
 
-    def __init__(self, path: Path, backlog_bytes: int | None = None, max_read: int = CHUNK):
+    def __init__(
+        self,
+        path: Path,
+        backlog_bytes: int | None = None,
+        max_read: int = CHUNK,
+        max_line: int | None = None,
+    ):
         self.path = Path(path)
         self.backlog_bytes = backlog_bytes
         self.max_read = max_read
+        self.max_line = max_line  # (logs) longer lines are cut (`cut_line`); None keeps every byte
         self.offset = 0
         self.inode: tuple[int, int] | None = None
         self.resets = 0
-        self._partial = b""
+        self._partial: bytes | None = b""  # the line being read (at most max_line bytes of it)
+        self._line_start = 0  # its byte offset in the file
+        self._dropped = 0  # bytes of it beyond max_line, not kept
 
     def _start_over(self, size: int) -> None:
         self.offset = 0
-        self._partial = b""
+        self._partial, self._line_start, self._dropped = b"", 0, 0
         if self.backlog_bytes is not None and size > self.backlog_bytes:
             self.offset = size - self.backlog_bytes
-            self._partial = None  # type: ignore[assignment]  # drop the first (cut) line
+            self._partial = None  # drop the first (cut) line
 
     def poll(self) -> Chunk:
         """New complete lines since the last call (at most `max_read` bytes' worth per call)."""
@@ -71,19 +89,18 @@ class Follower:
                 data = fh.read(min(st.st_size - self.offset, self.max_read))
         except FileNotFoundError:
             return out
-        base = self.offset
+        base = self.offset  # the file offset of data[0]
         self.offset += len(data)
         if self._partial is None:  # first read after skipping into the middle of a file
             cut = data.find(b"\n")
             if cut < 0:
-                self._partial = None  # type: ignore[assignment]
                 return out
             base += cut + 1
             data = data[cut + 1 :]
-            self._partial = b""
-        buf = self._partial + data
-        start = base - len(self._partial)
-        pos = 0
+            self._partial, self._line_start, self._dropped = b"", base, 0
+        kept = len(self._partial)
+        buf = self._partial + data  # the kept part of a long line is at most max_line bytes
+        pos, start, dropped = 0, self._line_start, self._dropped
         while True:
             nl = buf.find(b"\n", pos)
             if nl < 0:
@@ -91,10 +108,17 @@ class Follower:
             line = buf[pos:nl]
             if line.endswith(b"\r"):
                 line = line[:-1]
+            if self.max_line is not None and (dropped or len(line) > self.max_line):
+                line = cut_line(line, self.max_line, dropped + len(line))
             out.lines.append(line)
-            out.offsets.append(start + pos)
+            out.offsets.append(start)
             pos = nl + 1
-        self._partial = buf[pos:]
+            start, dropped = base + pos - kept, 0
+        rest = buf[pos:]
+        if self.max_line is not None and len(rest) > self.max_line:
+            dropped += len(rest) - self.max_line
+            rest = rest[: self.max_line]
+        self._partial, self._line_start, self._dropped = rest, start, dropped
         return out
 
     @property
@@ -106,9 +130,12 @@ class Follower:
             return False
 
 
-def tail_lines(path: Path, n: int, block: int = 64 * 1024, max_bytes: int = 4 << 20) -> list[str]:
+def tail_lines(
+    path: Path, n: int, block: int = 64 * 1024, max_bytes: int = 4 << 20, max_line: int | None = None
+) -> list[str]:
     """The last `n` complete lines of a file, reading backwards from its end in blocks: the cost depends
-    on `n` and the line length, not on the file's size. A missing file gives []."""
+    on `n` and the line length, not on the file's size. A missing file gives []. `max_line`: longer
+    lines are cut (`cut_line`)."""
     if n <= 0:
         return []
     try:
@@ -128,4 +155,7 @@ def tail_lines(path: Path, n: int, block: int = 64 * 1024, max_bytes: int = 4 <<
     lines = data.split(b"\n")[:-1]
     if pos > 0:
         lines = lines[1:]  # the first one may be cut
-    return [ln.rstrip(b"\r").decode("utf-8", "replace") for ln in lines[-n:]]
+    lines = [ln.rstrip(b"\r") for ln in lines[-n:]]
+    if max_line is not None:
+        lines = [cut_line(ln, max_line, len(ln)) if len(ln) > max_line else ln for ln in lines]
+    return [ln.decode("utf-8", "replace") for ln in lines]

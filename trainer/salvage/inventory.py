@@ -14,7 +14,9 @@ classified:
 Only the trainer is stopped by salvage. Everything else is reported and left alone unless
 `stop_unknown` (inventory `salvage_stop_unknown: true`) says otherwise. Without nvidia-smi the
 inventory says that GPU processes could not be listed, instead of implying there are none.
-Light side: psutil only.
+Command lines are masked here, where they are read (trainer/redact.py: `--api-key K`, `--hf-token T`,
+a URL's password): the inventory, `node/processes.json`, NOTES.md, the reports and the play's output
+are all made from this one record. Light side: psutil only.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import psutil
 
 from trainer.events import load_events
 from trainer.node_marker import read_node_marker
+from trainer.redact import redact_cmdline, redact_text
 
 COMPUTE_APPS_QUERY = [
     "--query-compute-apps=pid,process_name,used_gpu_memory,gpu_uuid",
@@ -250,7 +253,7 @@ def take_inventory(
             kind,
             label,
             info.get("username"),
-            _joined(cmd) or f"[{name}]",
+            redact_cmdline(cmd) or f"[{redact_text(name)}]",
             started,
             run_dir=known_runs.get(pid) or run_servers.get(pid),
         )
@@ -267,9 +270,9 @@ def take_inventory(
                 Proc(
                     pid,
                     "unknown",
-                    rows[0]["name"],
+                    redact_text(rows[0]["name"]),
                     None,
-                    rows[0]["name"],
+                    redact_text(rows[0]["name"]),
                     None,
                     sum(r["used_mib"] or 0 for r in rows),
                     [r["gpu"] for r in rows],

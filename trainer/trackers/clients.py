@@ -15,7 +15,8 @@ import re
 import time
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+
+from trainer.redact import redact_url
 
 
 class Tracker:
@@ -55,16 +56,6 @@ def run_params(run: dict[str, Any]) -> dict[str, Any]:
 
     walk({k: run.get(k) for k in ("config", "layout", "totals")}, "")
     return flat
-
-
-def redact_url(url: str) -> str:
-    """A URL without its user and password (what train.log may say about a tracking URI)."""
-    parts = urlsplit(url)
-    if parts.username is None and parts.password is None:
-        return url
-    host = parts.hostname or ""
-    netloc = f"***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
 
 
 class WandbTracker(Tracker):
