@@ -190,7 +190,8 @@ class OwnedServer:
         self.cmd, self.url, self.log_path = cmd, url, log_path
         self.storage_dir, self.owns_storage = storage_dir, owns_storage  # owned: removed by stop()
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(log_path, "ab")  # noqa: SIM115 - kept open for the server's lifetime
+        # kept open for the server's lifetime; 0600 as the run's own logs (its arguments may name a key)
+        self._log = os.fdopen(os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab")
         full_env, self.env_notes = server_environment(os.environ, env)
         for note in self.env_notes:
             self._log.write(f"dflash: {note}\n".encode())

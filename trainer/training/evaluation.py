@@ -211,7 +211,9 @@ class TrainingEval:
         env.pop("DFLASH_RUN_ID", None)
         for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
             env.pop(var, None)  # torchrun's: the evaluation is no rank of the run
-        with open(job.folder / "eval.log", "wb") as out:
+        with os.fdopen(
+            os.open(job.folder / "eval.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb"
+        ) as out:
             job.proc = subprocess.Popen(
                 cmd, stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent
             )
