@@ -1,7 +1,9 @@
 """Checkpoints: `out_dir/checkpoints/<name>/` = speculators-format drafter (config.json +
 model.safetensors) + trainer_state.pt + meta.json + SHA256SUMS; `checkpoints/latest` names the
 newest complete one. Written under a temp name and renamed, so a crash never leaves a folder that
-looks complete; `latest` is replaced atomically and only after the rename.
+looks complete; `latest` is replaced atomically and only after the rename. A state holding inf or NaN
+(a step at an absurd lr, an overflow) is never written: the save is refused and `latest` stays where
+it was; a resume skips an older checkpoint that holds one.
 
 The light part (listing, verifying, the `latest` pointer) imports no torch; saving/loading does."""
 
@@ -31,6 +33,48 @@ class CheckpointError(DflashError, RuntimeError):
     exit_code = ExitCode.FAILED
 
 
+NONFINITE = "non-finite"  # the words every refusal and skip of a state with inf/NaN says
+
+
+class NonFiniteState(CheckpointError):
+    """The state to save holds inf or NaN: no checkpoint of it, `latest` left alone."""
+
+
+def nonfinite_tensors(obj: Any, prefix: str = "", limit: int = 5) -> list[str]:
+    """Names (dotted paths) of up to `limit` floating tensors in `obj` (a tensor, or dicts and lists of
+    them: a state dict, an optimizer state) that hold inf or NaN."""
+    import torch
+
+    bad: list[str] = []
+
+    def walk(o: Any, name: str) -> None:
+        if len(bad) >= limit:
+            return
+        if isinstance(o, torch.Tensor):
+            if (o.is_floating_point() or o.is_complex()) and not bool(torch.isfinite(o).all()):
+                bad.append(name or "tensor")
+        elif isinstance(o, dict):
+            for k, v in o.items():
+                walk(v, f"{name}.{k}" if name else str(k))
+        elif isinstance(o, list | tuple):
+            for i, v in enumerate(o):
+                walk(v, f"{name}[{i}]")
+
+    walk(obj, prefix)
+    return bad
+
+
+def nonfinite_weights(folder: Path) -> list[str]:
+    """The tensors of a checkpoint's model.safetensors that hold inf or NaN (one at a time in memory)."""
+    from safetensors import safe_open
+
+    bad = []
+    with safe_open(str(Path(folder) / "model.safetensors"), framework="pt") as fh:
+        for key in fh.keys():
+            bad += nonfinite_tensors(fh.get_tensor(key), key)
+    return bad
+
+
 def checkpoints_dir(out_dir: Path) -> Path:
     return Path(out_dir) / "checkpoints"
 
@@ -57,6 +101,11 @@ def list_checkpoints(out_dir: Path) -> list[Path]:
     return [p for s, p in sorted((s, p) for s, p in found if s is not None)]
 
 
+def _latest_name(out_dir: Path) -> str:
+    latest = read_latest(out_dir)
+    return latest.name if latest is not None else "unset (no checkpoint yet)"
+
+
 def read_latest(out_dir: Path) -> Path | None:
     ptr = checkpoints_dir(out_dir) / LATEST
     if not ptr.exists():
@@ -64,6 +113,21 @@ def read_latest(out_dir: Path) -> Path | None:
     name = ptr.read_text().strip()
     path = checkpoints_dir(out_dir) / name
     return path if path.is_dir() else None
+
+
+def resolve_checkpoint(path: Path) -> Path | None:
+    """The checkpoint folder a user's path names: a folder with config.json as it is; a run's out_dir,
+    its checkpoints/ folder, or the `latest` pointer itself (RUN/checkpoints/latest: a file naming the
+    newest checkpoint, or a link to it): the checkpoint `latest` names. None when it names none. The one
+    resolver of `dflash eval --drafter` and `dflash export --checkpoint`."""
+    path = Path(path)
+    if (path / "config.json").is_file():
+        return path
+    if path.name == LATEST and path.is_file():
+        named = path.parent / path.read_text().strip()
+        return named if (named / "config.json").is_file() else None
+    run = path.parent if path.name == checkpoints_dir(Path()).name and (path / LATEST).exists() else path
+    return read_latest(run)
 
 
 def write_sums(folder: Path) -> dict[str, str]:
@@ -119,10 +183,19 @@ def save_checkpoint(
     state_dict: dict[str, Any] | None = None,
 ) -> Saved:
     """Write a complete checkpoint for `step`, point `latest` at it, keep the newest `keep`.
-    `state_dict`: the drafter's weights gathered from its shards (FSDP), else the drafter's own."""
+    `state_dict`: the drafter's weights gathered from its shards (FSDP), else the drafter's own.
+    A state with inf or NaN in the weights or the optimizer's moments raises `NonFiniteState` before
+    anything is written: the previous checkpoint stays `latest`."""
     import torch
 
     t0 = time.monotonic()
+    weights = state_dict if state_dict is not None else drafter.state_dict()
+    bad = nonfinite_tensors(weights) + nonfinite_tensors(trainer_state.get("optimizer"), "optimizer")
+    if bad:
+        raise NonFiniteState(
+            f"step {step}: {NONFINITE} values in {', '.join(bad[:5])}: no checkpoint written, "
+            f"latest stays {_latest_name(out_dir)} (the run diverged: lower train.lr, check the data)"
+        )
     root = checkpoints_dir(out_dir)
     root.mkdir(parents=True, exist_ok=True)
     name = checkpoint_name(step)
@@ -174,11 +247,17 @@ def rotate(out_dir: Path, keep: int) -> list[str]:
     return removed
 
 
-def find_resume_checkpoint(out_dir: Path) -> tuple[Path | None, list[str]]:
-    """The newest checkpoint that verifies, and the problems of any newer one that did not."""
+def find_resume_checkpoint(out_dir: Path, finite: bool = False) -> tuple[Path | None, list[str]]:
+    """The newest checkpoint that verifies, and the problems of any newer one that did not.
+    `finite` (a resume): also skip one whose weights hold inf or NaN (written before saves were
+    checked); its problem says NONFINITE."""
     problems: list[str] = []
     for folder in reversed(list_checkpoints(out_dir)):
         bad = verify_checkpoint(folder)
+        if not bad and finite:
+            names = nonfinite_weights(folder)
+            if names:
+                bad = [f"{folder.name}: {NONFINITE} weights ({', '.join(names)}); skipped"]
         if not bad:
             return folder, problems
         problems.extend(bad)

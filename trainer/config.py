@@ -19,7 +19,8 @@ from pydantic import (
     field_validator,
 )
 
-from trainer.config_section import Section
+from trainer import user_yaml
+from trainer.config_section import MAX_SECONDS, Section
 from trainer.config_train import TrainConfig
 from trainer.errors import DflashError
 from trainer.training.eval_config import EvalConfig
@@ -61,8 +62,12 @@ class VllmSourceConfig(Section):
     gpu_memory_utilization: float = Field(
         0.85, gt=0, le=1, description="share of its GPUs' memory the owned server may take"
     )
-    start_timeout_s: float = Field(900.0, gt=0, description="time the owned server may take to load")
-    request_timeout_s: float = Field(300.0, gt=0, description="time one hidden-state request may take")
+    start_timeout_s: float = Field(
+        900.0, gt=0, le=MAX_SECONDS, description="time the owned server may take to load"
+    )
+    request_timeout_s: float = Field(
+        300.0, gt=0, le=MAX_SECONDS, description="time one hidden-state request may take"
+    )
     retries: int = Field(
         5, ge=0, description="retries of a failed request (backoff 1, 2, 4 ... s, capped at 30 s)"
     )
@@ -158,7 +163,7 @@ class PreflightConfig(Section):
         le=1,
         description="warn when the deepest aux layer is this far (share of depth) below the top",
     )
-    disk_reserve_gb: float = Field(2.0, ge=0, description="free disk kept beyond K checkpoints")
+    disk_reserve_gb: float = Field(2.0, ge=0, le=1e9, description="free disk kept beyond K checkpoints")
     check_memory: bool = Field(
         True, description="compare the memory estimate with the device (false: skip, stated)"
     )
@@ -176,7 +181,10 @@ class TrackersConfig(Section):
     )
     max_failures: int = Field(3, ge=1, description="a tracker that fails this many times is dropped")
     close_timeout_s: float = Field(
-        30.0, gt=0, description="time the trackers get at the run's end to write what is left"
+        30.0,
+        gt=0,
+        le=MAX_SECONDS,
+        description="time the trackers get at the run's end to write what is left",
     )
 
 
@@ -230,7 +238,7 @@ class RunConfig(Section):
 def _parse_scalar(text: str) -> Any:
     """`--set` values are YAML scalars/flow collections: 3, 3e-4, true, [1, 2], null, a/path."""
     try:
-        return yaml.safe_load(text)
+        return user_yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigError(f"--set value {text!r} is not valid YAML: {exc}") from None
 
@@ -283,7 +291,9 @@ def config_from_text(text: str, base: Path, source: str, overrides: list[str] | 
     """A run config from YAML text (a file's, or stdin's: `dflash plan --config -`); `source` names it
     in messages and relative paths resolve against `base`."""
     try:
-        raw = yaml.safe_load(text) or {}
+        raw = user_yaml.safe_load(text) or {}
+    except user_yaml.DuplicateKeyError as exc:  # the last one would win silently
+        raise ConfigError(f"{source}: {exc}") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{source}: not valid YAML: {exc}") from None
     raw = apply_overrides(raw, overrides or [])

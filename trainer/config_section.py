@@ -1,5 +1,8 @@
-"""The base of every run-config section (light side: pydantic only): unknown keys are errors, and a
-float or a number past 2**53 where a whole number belongs is refused, not rounded."""
+"""The base of every run-config section (light side: pydantic only): unknown keys are errors, a
+float or a number past 2**53 where a whole number belongs is refused, not rounded, and no float is
+infinite or NaN (`lr: .inf` is refused naming the key, before anything trains). Each float field
+declares its range beside its default (ge/gt and le/lt; tests/unit/test_config.py holds every one
+to both bounds); docs/reference/config.md lists them."""
 
 from __future__ import annotations
 
@@ -8,10 +11,11 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 
 MAX_WHOLE = 2**53  # any count a config holds: beyond it a float has already lost the number
+MAX_SECONDS = 30 * 86400.0  # any timeout a config holds: past it, a wait that never ends
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     @field_validator("*", mode="before")
     @classmethod

@@ -4,11 +4,13 @@ reference is docs/reference/config.md, written from these fields)."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from trainer.config_section import Section
+from trainer.config_section import MAX_SECONDS, Section
+
+Beta = Annotated[float, Field(ge=0, lt=1)]  # an AdamW beta: a decay rate, 1 or more never forgets
 
 
 class TrainConfig(Section):
@@ -24,6 +26,7 @@ class TrainConfig(Section):
     lr: float = Field(
         6.0e-4,
         gt=0,
+        le=1,
         description="peak learning rate (SpecForge Qwen3.6-27B: 6e-4); Muon's too while muon_lr is null "
         "(its update scaled to AdamW's RMS, speculators' match_rms_adamw)",
     )
@@ -35,9 +38,9 @@ class TrainConfig(Section):
     schedule: Literal["cosine", "constant"] = Field(
         "cosine", description="lr after warmup: cosine decay to min_lr_ratio, or constant"
     )
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
-    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas")
-    grad_clip: float = Field(1.0, gt=0, description="max global grad norm")
+    weight_decay: float = Field(0.0, ge=0, le=1, description="AdamW weight decay")
+    betas: tuple[Beta, Beta] = Field((0.9, 0.95), description="AdamW betas, each in [0, 1)")
+    grad_clip: float = Field(1.0, gt=0, le=1e6, description="max global grad norm")
     seed: int = Field(0, description="seeds init, sampling order and anchors; same seed = same run")
     checkpoint_every: int = Field(500, ge=1, description="steps between checkpoints (and one at the end)")
     keep_checkpoints: int = Field(3, ge=1, description="newest K complete checkpoints kept")
@@ -65,7 +68,10 @@ class TrainConfig(Section):
         "tau 1.547 -> 1.709 on top of Muon in this project's ablation (docs/evaluate.md)",
     )
     gamma: float = Field(
-        7.0, gt=0, description="per-position loss decay exp(-(k-1)/gamma) (position_weights exp)"
+        7.0,
+        gt=0,
+        le=1e4,
+        description="per-position loss decay exp(-(k-1)/gamma) (position_weights exp)",
     )
     dpace_alpha: float = Field(
         0.5, gt=0, le=1, description="D-PACE confidence smoothing (position_weights dpace; speculators' 0.5)"
@@ -78,10 +84,13 @@ class TrainConfig(Section):
         "1.307 -> 1.547 at equal wall time in this project's ablation (docs/evaluate.md)",
     )
     muon_lr: float | None = Field(
-        None, gt=0, description="Muon's peak learning rate (null: train.lr; the schedule scales both)"
+        None,
+        gt=0,
+        le=1,
+        description="Muon's peak learning rate (null: train.lr; the schedule scales both)",
     )
     muon_momentum: float = Field(0.95, ge=0, lt=1, description="Muon's momentum (speculators' 0.95)")
-    muon_weight_decay: float = Field(0.1, ge=0, description="Muon's weight decay (speculators' 0.1)")
+    muon_weight_decay: float = Field(0.1, ge=0, le=1, description="Muon's weight decay (speculators' 0.1)")
     max_anchors: int = Field(
         512,
         ge=1,
@@ -113,18 +122,27 @@ class TrainConfig(Section):
     )
     log_every: int = Field(1, ge=1, description="steps between step events")
     stop_timeout_s: float = Field(
-        600.0, gt=0, description="bound on SIGTERM -> final checkpoint -> exit; past it the run exits 3"
+        600.0,
+        gt=0,
+        le=MAX_SECONDS,
+        description="bound on SIGTERM -> final checkpoint -> exit; past it the run exits 3",
     )
     collective_timeout_s: float = Field(
         900.0,
         gt=0,
+        le=MAX_SECONDS,
         description="bound on one collective (all-reduce, barrier): a rank or node that is gone fails the "
         "others' run after this, and torchrun restarts the group; above the slowest checkpoint write",
     )
     stall_factor: float = Field(
-        10.0, gt=1, description="a step running this many times the median step is a stall (warning event)"
+        10.0,
+        gt=1,
+        le=1e6,
+        description="a step running this many times the median step is a stall (warning event)",
     )
-    stall_min_s: float = Field(120.0, gt=0, description="never call a step stalled before this many seconds")
+    stall_min_s: float = Field(
+        120.0, gt=0, le=MAX_SECONDS, description="never call a step stalled before this many seconds"
+    )
     agreement_every: int = Field(
         50,
         ge=1,

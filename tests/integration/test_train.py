@@ -443,3 +443,65 @@ def test_target_agreement_is_measured_and_a_collapsed_target_is_loud(tmp_path, t
     warns = [w for w in events_of(tmp_path / "bad", "warning") if w["kind"] == "low_target_agreement"]
     assert len(warns) == 1 and warns[0]["step"] == 1 and warns[0]["target_agreement"] < 0.1
     assert "dflash regenerate" in warns[0]["message"]
+
+
+def test_a_step_that_diverges_never_becomes_a_checkpoint_and_a_restart_resumes_before_it(
+    tmp_path, tiny_target, tiny_data
+):
+    """Step 3 at an infinite lr (tests/integration/diverging_step.py: what `lr: .inf` did before the
+    config refused it) leaves inf/NaN weights after a finite loss. Its checkpoint is refused: a
+    `checkpoint_refused` warning, run_end failed, exit 1, no step-3 folder, `latest` still step 2. A
+    restart (what the service does on exit 1) resumes from step 2 and finishes with finite weights."""
+    cfg = cfg_file(tmp_path, tiny_target, tiny_data, max_steps=5, checkpoint_every=1, keep_checkpoints=5)
+    out = tmp_path / "run"
+    res = subprocess.run(
+        [sys.executable, "-m", "tests.integration.diverging_step", "train", "--config", str(cfg)],
+        env={**ENV, "DFLASH_TEST_DIVERGE_STEPS": "3"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 1, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "Traceback" not in res.stderr
+    assert res.stderr.strip().splitlines()[-1].startswith("dflash train: step 3: non-finite values in ")
+    refused = [w for w in events_of(out, "warning") if w["kind"] == "checkpoint_refused"]
+    assert [(w["step"], w["reason"]) for w in refused] == [(3, "periodic")]
+    assert "latest stays step-00000002" in refused[0]["message"]
+    assert [c["step"] for c in events_of(out, "checkpoint")] == [1, 2]
+    assert [p.name for p in list_checkpoints(out)] == ["step-00000001", "step-00000002"]
+    assert read_latest(out).name == "step-00000002"
+    end = events_of(out, "run_end")[-1]
+    assert end["status"] == "failed" and end["step"] == 3 and "NonFiniteState" in end["error"]
+    res = run_train(cfg)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert events_of(out, "run_start")[-1]["resumed_from"] == "step-00000002"
+    assert read_latest(out).name == "step-00000005"
+    weights = final_weights(out)
+    assert all(torch.isfinite(t).all() for t in weights.values())
+
+
+def test_a_resume_skips_a_checkpoint_with_nonfinite_weights_and_says_so(
+    tmp_path, tiny_target, tiny_data, finished_run
+):
+    """A checkpoint written before saves were checked (step 40's weights NaN, its sums matching) is
+    skipped at resume with a `nonfinite_checkpoint` warning naming it; the run resumes from step 30,
+    the newest finite one, and writes a finite step 40 in its place."""
+    out = copy_of(finished_run, tmp_path)
+    newest = read_latest(out)
+    weights = load_file(str(newest / "model.safetensors"))
+    name = sorted(weights)[0]
+    weights[name].view(-1)[: weights[name].numel() // 2] = float("nan")  # half NaN, as lr .inf left it
+    from safetensors.torch import save_file
+
+    save_file(weights, str(newest / "model.safetensors"), metadata={"format": "pt"})
+    write_sums(newest)
+    assert verify_checkpoint(newest) == []
+    res = run_train(cfg_file(tmp_path, tiny_target, tiny_data, max_steps=42, checkpoint_every=10))
+    assert res.returncode == 0, res.stderr[-3000:]
+    warns = [w for w in events_of(out, "warning") if w["kind"] == "nonfinite_checkpoint"]
+    assert [w["message"] for w in warns] == [f"step-00000040: non-finite weights ({name}); skipped"]
+    assert "checkpoint holds inf/NaN, skipped: step-00000040" in (out / "train.log").read_text()
+    assert events_of(out, "run_start")[-1]["resumed_from"] == "step-00000030"
+    assert read_latest(out).name == "step-00000042"
+    for folder in list_checkpoints(out):
+        assert all(torch.isfinite(t).all() for t in load_file(str(folder / "model.safetensors")).values())

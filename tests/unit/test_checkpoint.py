@@ -1,6 +1,7 @@
 """Checkpoint saves that do not finish: an exception mid-save and a process killed mid-save leave the
 previous checkpoint as `latest`, no half folder under a checkpoint's name, and the next save removes
-the dead writer's temp folder."""
+the dead writer's temp folder. A state holding inf or NaN is never written, and a resume skips an
+older checkpoint that holds one."""
 
 from __future__ import annotations
 
@@ -25,6 +26,9 @@ class SmallDrafter:
     def __init__(self, seed: int, fail_after_weights: bool = False):
         self.weights = {"fc.weight": torch.randn(8, 8, generator=torch.Generator().manual_seed(seed))}
         self.fail_after_weights = fail_after_weights
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.weights
 
     def save_pretrained(self, folder: str) -> None:
         save_file(self.weights, str(Path(folder) / "model.safetensors"))
@@ -55,6 +59,9 @@ import torch
 from trainer import checkpoint as ckpt
 
 class Stuck:
+    def state_dict(self):
+        return {"fc.weight": torch.zeros(8, 8)}
+
     def save_pretrained(self, folder):
         save_file({"fc.weight": torch.zeros(8, 8)}, str(Path(folder) / "model.safetensors"))
         print("weights written", flush=True)
@@ -84,3 +91,48 @@ def test_a_writer_killed_mid_save_leaves_latest_alone_and_the_next_save_cleans_u
     assert not stale.exists(), "the next save removes a dead writer's temp folder"
     assert ckpt.read_latest(tmp_path) == second.path and ckpt.verify_checkpoint(second.path) == []
     assert ckpt.verify_checkpoint(first.path) == []
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
+def test_a_state_with_inf_or_nan_is_never_written_and_latest_stays(tmp_path, bad):
+    """A step that diverged (`lr: .inf` did it: half the weights NaN) never becomes a checkpoint, nor
+    `latest`: the save raises before anything is on disk, naming the tensor (exit 1: a failure)."""
+    first = save(tmp_path, 1, SmallDrafter(1))
+    poisoned = SmallDrafter(2)
+    poisoned.weights["fc.weight"][3, 4] = bad
+    with pytest.raises(ckpt.NonFiniteState, match=r"step 2: non-finite values in fc\.weight") as err:
+        save(tmp_path, 2, poisoned)
+    assert err.value.exit_code == 1 and "latest stays step-00000001" in str(err.value)
+    root = ckpt.checkpoints_dir(tmp_path)
+    assert sorted(p.name for p in root.iterdir()) == [ckpt.LATEST, first.path.name], "nothing written"
+    assert ckpt.read_latest(tmp_path) == first.path
+    gathered = {"fc.weight": poisoned.weights["fc.weight"]}  # FSDP: the weights gathered on rank 0
+    with pytest.raises(ckpt.NonFiniteState):
+        ckpt.save_checkpoint(tmp_path, 2, SmallDrafter(3), {"step": 2}, {}, keep=3, state_dict=gathered)
+    moments = {"state": {0: {"exp_avg": torch.full((2,), bad), "step": torch.tensor(3.0)}}}
+    with pytest.raises(ckpt.NonFiniteState, match=r"optimizer\.state\.0\.exp_avg"):
+        ckpt.save_checkpoint(tmp_path, 2, SmallDrafter(2), {"step": 2, "optimizer": moments}, {}, keep=3)
+    assert ckpt.read_latest(tmp_path) == first.path and ckpt.list_checkpoints(tmp_path) == [first.path]
+
+
+def _plant_nonfinite(folder: Path) -> None:
+    """Rewrite a checkpoint's weights with a NaN and re-sum it: what a save before the check wrote."""
+    from safetensors.torch import load_file
+
+    weights = load_file(str(folder / "model.safetensors"))
+    weights["fc.weight"][0, 0] = float("nan")
+    save_file(weights, str(folder / "model.safetensors"))
+    ckpt.write_sums(folder)
+
+
+def test_a_resume_skips_a_checkpoint_with_nonfinite_weights_and_says_so(tmp_path):
+    first = save(tmp_path, 1, SmallDrafter(1))
+    second = save(tmp_path, 2, SmallDrafter(2))
+    _plant_nonfinite(second.path)
+    assert ckpt.verify_checkpoint(second.path) == [], "its sums match: only the values are wrong"
+    assert ckpt.find_resume_checkpoint(tmp_path) == (second.path, []), "light callers: sums only"
+    folder, problems = ckpt.find_resume_checkpoint(tmp_path, finite=True)
+    assert folder == first.path
+    assert problems == ["step-00000002: non-finite weights (fc.weight); skipped"]
+    _plant_nonfinite(first.path)
+    assert ckpt.find_resume_checkpoint(tmp_path, finite=True)[0] is None, "none finite: start fresh"

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from trainer import checkpoint as ckpt
-from trainer.training.distributed import gather_objects
+from trainer.training.distributed import all_ranks, gather_objects
 from trainer.training.state import rng_state, set_rng_state
 
 
@@ -46,8 +46,12 @@ def resume(tr: TrainState) -> None:
     filesystem: only rank 0 writes checkpoints) that lack that very checkpoint, verified, get rank
     0's copy over the process group, so every rank starts from the same state."""
     d = tr.d
-    folder, problems = ckpt.find_resume_checkpoint(tr.cfg.out_dir)
+    folder, problems = ckpt.find_resume_checkpoint(tr.cfg.out_dir, finite=True)
     for p in problems:
+        if ckpt.NONFINITE in p:  # written before saves were checked (a diverged step)
+            tr.emit("warning", kind="nonfinite_checkpoint", message=p)
+            tr.log(f"WARNING checkpoint holds inf/NaN, skipped: {p}")
+            continue
         tr.emit("warning", kind="corrupt_checkpoint", message=p)
         tr.log(f"WARNING checkpoint does not verify, skipped: {p}")
     names = gather_objects(folder.name if folder else None, d)
@@ -101,7 +105,9 @@ def save(tr: TrainState, reason: str, at_step_start: bool = False) -> ckpt.Saved
     """A checkpoint of the state after step `tr.step`; rank 0 gets what it wrote, the others None.
     `at_step_start`: the step after it failed part way (a hidden-state source gave up): the sampler
     and RNG as that step found them, so a resume draws and trains its batches again. Raises when the
-    ranks' weights differ (after every rank has passed the barrier)."""
+    ranks' weights differ (after every rank has passed the barrier), and `ckpt.NonFiniteState` on every
+    rank when the state holds inf or NaN: nothing written, `latest` kept, a `checkpoint_refused`
+    warning."""
     d, sh = tr.d, tr.sharding
     # collectives: every rank sends its shards, rank 0 gets the full weights and optimizer state
     weights, optimizer_state = sh.gather_state(tr.optimizer)
@@ -111,7 +117,7 @@ def save(tr: TrainState, reason: str, at_step_start: bool = False) -> ckpt.Saved
     rngs = gather_objects(rng, d)
     sums = [float(x) for x in torch.cat(gather_objects(sh.fingerprint(), d))]
     in_sync = all(x == sums[0] for x in sums)
-    saved = None
+    saved = refused = None
     if d.is_main:
         state = {
             "step": tr.step,
@@ -132,15 +138,23 @@ def save(tr: TrainState, reason: str, at_step_start: bool = False) -> ckpt.Saved
             "world_size": d.world_size,
             "ranks_in_sync": in_sync,
         }
-        saved = ckpt.save_checkpoint(
-            tr.cfg.out_dir,
-            tr.step,
-            tr.drafter,
-            state,
-            meta,
-            tr.cfg.train.keep_checkpoints,
-            state_dict=weights,
-        )
+        try:
+            saved = ckpt.save_checkpoint(
+                tr.cfg.out_dir,
+                tr.step,
+                tr.drafter,
+                state,
+                meta,
+                tr.cfg.train.keep_checkpoints,
+                state_dict=weights,
+            )
+        except ckpt.NonFiniteState as exc:
+            refused = exc
+            tr.emit("warning", kind="checkpoint_refused", step=tr.step, reason=reason, message=str(exc))
+            tr.log(f"ERROR checkpoint refused: {exc}")
+    if not all_ranks(refused is None, d):  # every rank leaves together, none waits in the barrier
+        raise refused or ckpt.NonFiniteState(f"step {tr.step}: rank 0 refused the checkpoint")
+    if d.is_main:
         tr.emit(
             "checkpoint",
             step=tr.step,

@@ -22,7 +22,7 @@ def holdout_file(out_dir: Path | str) -> Path:
 
 
 class EvalConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     every_steps: int | None = Field(
         None,
