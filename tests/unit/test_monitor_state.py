@@ -228,6 +228,8 @@ def test_each_trainer_warning_kind_becomes_an_alert_and_older_starts_warnings_ar
         "low_target_agreement",
         "corrupt_checkpoint",
         "stop_timeout",
+        "checkpoint_refused",
+        "nonfinite_checkpoint",
     }
     th = Thresholds(disk_min_bytes=0)
     for kind in TRAINER_KINDS:

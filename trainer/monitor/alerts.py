@@ -24,7 +24,14 @@ class Thresholds:
 
 
 # trainer warnings worth an alert of their own (nonfinite_loss and stall have theirs)
-TRAINER_KINDS = ("nonfinite_target", "low_target_agreement", "corrupt_checkpoint", "stop_timeout")
+TRAINER_KINDS = (
+    "nonfinite_target",
+    "low_target_agreement",
+    "corrupt_checkpoint",
+    "stop_timeout",
+    "checkpoint_refused",  # a non-finite state was not saved: latest is older
+    "nonfinite_checkpoint",  # resume skipped a non-finite checkpoint
+)
 
 
 def _alert(kind: str, level: str, message: str, **extra: Any) -> dict[str, Any]:
