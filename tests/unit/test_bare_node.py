@@ -183,6 +183,6 @@ def test_the_roles_probe_lists_the_bus_and_dflash_gpu_facts_counts_it(tmp_path):
     cmd = [sys.executable, "-m", "trainer.cli", "gpu", "decide", f"--facts={tmp_path / 'recon.json'}"]
     out = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
     assert out["driver"]["action"] == "install" and out["toolchain"]["driver_packages"]["packages"] == [
-        "nvidia-open-580",
-        "nvidia-fabricmanager-580",
+        "nvidia-open",  # NVIDIA's Debian 12 repo: unversioned from 580, the branch held by an APT lock
+        "nvidia-fabricmanager",
     ]

@@ -7,11 +7,13 @@ facts are what the gpu_facts role's probe prints, written out here (this machine
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.unit.test_role_contracts import render_role_var
 from trainer.layout import toolchain
@@ -109,18 +111,130 @@ def test_a_bare_image_without_gpus_needs_nothing():
 
 # ---------------------------------------------------------------- the rules behind them
 def test_debian_has_no_server_packages_and_blackwell_gets_open_modules():
+    """NVIDIA's Debian repository: the unversioned metapackages (nvidia-open / cuda-drivers) under an APT pin
+    of the branch, since its branch-named ones depend on ">= <branch>" and follow the newest branch; the
+    fabric manager is unversioned from 580 (sources: the comment in toolchain.driver_packages)."""
     deb = run(recon("b200-8x183gb", {**BARE, "nvswitches": 2}, os_name="Debian 12", driver=False))
     pk = deb["driver_packages"]
     assert pk["repo"] == "nvidia" and "no nvidia-driver-N-server" in pk["reason"]
-    assert pk["packages"] == ["nvidia-open-580", "linux-headers-6.8.0-45-generic", "nvidia-fabricmanager-580"]
+    assert pk["packages"] == ["nvidia-open", "linux-headers-6.8.0-45-generic", "nvidia-fabricmanager"]
+    assert pk["pin"] == "580.*" and pk["components"] == ["contrib"] and "APT pin" in pk["reason"]
     a100 = run(recon("a100-8x40gb", BARE, os_name="Debian 12", driver=False))["driver_packages"]
-    assert a100["packages"] == ["cuda-drivers-580", "linux-headers-6.8.0-45-generic"]
+    assert a100["packages"] == ["cuda-drivers", "linux-headers-6.8.0-45-generic"] and a100["pin"] == "580.*"
     ubuntu = run(recon("b200-8x183gb", BARE, os_name="Ubuntu 24.04", driver=False))["driver_packages"]
     assert ubuntu["packages"][0] == "nvidia-driver-580-server-open" and ubuntu["repo"] == "distribution"
+    assert ubuntu["pin"] is None and ubuntu["components"] == []
     other = run(recon("a100-8x40gb", BARE, os_name="Rocky 9", driver=False))
     assert (
         other["driver_packages"]["action"] == "refuse" and other["refusals"][0]["what"] == "driver_packages"
     )
+
+
+# (GPU facts: compute capability, or {} for a bare node that has no driver to ask) per distribution and branch
+A100 = {"compute_cap": "8.0"}
+H100 = {"compute_cap": "9.0"}
+B200 = {"compute_cap": "10.0"}
+HEADERS = "linux-headers-6.1.0-28-amd64"
+
+
+@pytest.mark.parametrize(
+    "gpus, branch, packages",
+    [
+        # Debian 12, NVIDIA's CUDA repository: cuda-drivers (proprietary) / nvidia-open (open, the default
+        # from 560), the fabric manager nvidia-fabricmanager-<branch> to 575, nvidia-fabricmanager from 580
+        (A100, 550, ["cuda-drivers", HEADERS, "nvidia-fabricmanager-550"]),
+        (H100, 550, ["cuda-drivers", HEADERS, "nvidia-fabricmanager-550"]),
+        ({}, 550, ["cuda-drivers", HEADERS, "nvidia-fabricmanager-550"]),
+        (H100, 570, ["cuda-drivers", HEADERS, "nvidia-fabricmanager-570"]),
+        (B200, 570, ["nvidia-open", HEADERS, "nvidia-fabricmanager-570"]),
+        ({}, 570, ["nvidia-open", HEADERS, "nvidia-fabricmanager-570"]),
+        ({}, 575, ["nvidia-open", HEADERS, "nvidia-fabricmanager-575"]),
+        (A100, 580, ["cuda-drivers", HEADERS, "nvidia-fabricmanager"]),
+        (B200, 580, ["nvidia-open", HEADERS, "nvidia-fabricmanager"]),
+        ({}, 580, ["nvidia-open", HEADERS, "nvidia-fabricmanager"]),
+    ],
+)
+def test_debian_12_driver_packages_per_branch(gpus, branch, packages):
+    pk = toolchain.driver_packages(gpus, "Debian 12", "6.1.0-28-amd64", branch, fm=True)
+    assert pk["action"] == "install" and pk["repo"] == "nvidia" and pk["components"] == ["contrib"]
+    assert pk["packages"] == packages
+    assert pk["pin"] == f"{branch}.*" and f"branch {branch}" in pk["reason"]
+    assert not any(p.startswith(("cuda-drivers-", "nvidia-open-")) for p in pk["packages"])  # no branch holds
+    without_fm = toolchain.driver_packages(gpus, "Debian 12", "6.1.0-28-amd64", branch, fm=False)
+    assert without_fm["packages"] == packages[:2] and "fabric manager" not in without_fm["reason"]
+
+
+def test_debian_open_modules_before_560_are_the_dkms_package_beside_cuda_drivers():
+    """Before the nvidia-open metapackage (560) NVIDIA's Debian instructions installed the open flavour as
+    nvidia-kernel-open-dkms next to cuda-drivers (gpus.decide refuses a Blackwell on 550 before this)."""
+    pk = toolchain.driver_packages(B200, "Debian 12", "", 550, fm=False)
+    assert pk["packages"] == ["nvidia-kernel-open-dkms", "cuda-drivers"] and pk["pin"] == "550.*"
+
+
+@pytest.mark.parametrize("release", ["22.04", "24.04"])
+@pytest.mark.parametrize(
+    "gpus, branch, driver",
+    [
+        (A100, 550, "nvidia-driver-550-server"),
+        (H100, 570, "nvidia-driver-570-server"),
+        (B200, 570, "nvidia-driver-570-server-open"),
+        (A100, 580, "nvidia-driver-580-server"),
+        (B200, 580, "nvidia-driver-580-server-open"),
+        ({}, 580, "nvidia-driver-580-server-open"),
+        ({}, 550, "nvidia-driver-550-server"),
+    ],
+)
+def test_ubuntu_driver_packages_stay_the_archives_server_branch(release, gpus, branch, driver):
+    pk = toolchain.driver_packages(gpus, f"Ubuntu {release}", "6.8.0-45-generic", branch, fm=True)
+    assert pk["repo"] == "distribution" and pk["pin"] is None and pk["components"] == []
+    assert pk["packages"] == [driver, "linux-headers-6.8.0-45-generic", f"nvidia-fabricmanager-{branch}"]
+
+
+def test_the_role_enables_contrib_and_pins_the_branch_before_it_installs():
+    """nvidia_driver applies the Debian decision: contrib added to Debian's archive entries that have main
+    (both source formats, entries of other repositories untouched, a second run changes nothing), and
+    NVIDIA's APT version lock for the decision's pin written before the install."""
+    role = Path(__file__).resolve().parents[2] / "roles" / "nvidia_driver"
+    regexps = yaml.safe_load((role / "vars" / "main.yml").read_text())["nvidia_driver_contrib_regexp"]
+    tasks = yaml.safe_load((role / "tasks" / "main.yml").read_text())
+    replace = next(t for t in tasks if "ansible.builtin.replace" in t)["ansible.builtin.replace"]["replace"]
+
+    def apply(path: str, text: str) -> str:
+        return re.sub(regexps[path], replace, text, flags=re.MULTILINE)  # ansible replace: re.subn, MULTILINE
+
+    deb822 = (
+        "Types: deb deb-src\nURIs: http://deb.debian.org/debian\nSuites: bookworm bookworm-updates\n"
+        "Components: main non-free-firmware\n\nTypes: deb\nURIs: http://deb.debian.org/debian-security\n"
+        "Suites: bookworm-security\nComponents: main contrib\n"
+    )
+    once = apply("/etc/apt/sources.list.d/debian.sources", deb822)
+    assert "Components: main non-free-firmware contrib\n" in once and once.count("contrib") == 2
+    assert apply("/etc/apt/sources.list.d/debian.sources", once) == once
+    one_line = (
+        "deb http://deb.debian.org/debian bookworm main\n"
+        "deb https://developer.download.nvidia.com/compute/cuda/repos/debian12/x86_64/ /\n"
+    )
+    once = apply("/etc/apt/sources.list", one_line)
+    assert once.splitlines() == [
+        "deb http://deb.debian.org/debian bookworm main contrib",
+        "deb https://developer.download.nvidia.com/compute/cuda/repos/debian12/x86_64/ /",
+    ]
+    assert apply("/etc/apt/sources.list", once) == once
+
+    names = [t["name"] for t in tasks]
+    pin = next(i for i, t in enumerate(tasks) if "APT pin" in t["name"])
+    install = next(i for i, t in enumerate(tasks) if t.get("register") == "nvidia_driver_install")
+    contrib = next(i for i, n in enumerate(names) if n == "Enable Debian's contrib component")
+    assert contrib < pin < install
+    content = tasks[pin]["ansible.builtin.copy"]["content"]
+    for line in (
+        "Package: src:*nvidia*:any src:cuda-drivers:any src:cuda-compat:any",
+        "Pin: version {{ nvidia_driver_toolchain.driver_packages.pin }}",
+        "Pin-Priority: 1000",
+        "Package: nvidia-fabricmanager*",
+    ):
+        assert line in content
+    assert "driver_packages.pin" in tasks[pin]["when"]
 
 
 def test_a_working_driver_on_an_nvswitch_board_says_whether_its_fabric_manager_runs():

@@ -18,9 +18,10 @@ why. Facts settled from source (the wheels' files, `ptxas --version` run on them
 - NVSwitch boards (HGX A100/H100/H200/B200) need nvidia-fabricmanager of the driver's exact version,
   else CUDA init fails with error 802 (system not yet initialized). The switches are PCI bridges of
   vendor 0x10de (class 0x0680), visible before any driver is loaded.
-- Debian has no nvidia-driver-N-server (Ubuntu's archive names it so); NVIDIA's CUDA repository for
-  Debian has cuda-drivers-N / nvidia-open-N and nvidia-fabricmanager-N. Blackwell needs the open
-  kernel modules.
+- Debian has no nvidia-driver-N-server (Ubuntu's archive names it so): the driver comes from NVIDIA's CUDA
+  repository (cuda-keyring; Debian's contrib component on), held to its branch by an APT pin, since the
+  branch-named metapackages there do not hold it (sources beside `driver_packages`). Blackwell needs the
+  open kernel modules.
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ HEADER_PACKAGES = ["python3-dev"]
 FM_SERVICE = "nvidia-fabricmanager"
 # From this branch NVIDIA installs the open kernel modules by default (Turing and newer).
 OPEN_DEFAULT_BRANCH = 560
+# NVIDIA's Debian repository names the fabric manager nvidia-fabricmanager-<branch> up to 575 and
+# nvidia-fabricmanager (unversioned, versions 580.x) from 580 (sources beside `driver_packages`).
+DEBIAN_FM_UNVERSIONED_BRANCH = 580
 PROPRIETARY = "proprietary kernel modules"
 
 
@@ -182,23 +186,64 @@ def driver_packages(gpus: dict[str, Any], os_name: str, kernel: str, branch: int
             f"Ubuntu's archive: the -server (datacenter) branch {branch}, {flavor}"
             + (", and its fabric manager, the same version from the same archive" if fm else ""),
             repo="distribution",
+            components=[],
+            pin=None,
             packages=[name, *headers, *fm_pkgs],
         )
     if distro == "Debian":
-        name = f"nvidia-open-{branch}" if open_modules else f"cuda-drivers-{branch}"
-        fm_pkgs = [f"nvidia-fabricmanager-{branch}"] if fm else []
+        # Checked against NVIDIA's public sources, not against the live repository:
+        # - NVIDIA Driver Installation Guide, Debian (https://docs.nvidia.com/datacenter/tesla/
+        #   driver-installation-guide/debian.html): "sudo add-apt-repository contrib"; the network
+        #   repository's .../compute/cuda/repos/$distro/$arch/cuda-keyring_1.1-1_all.deb; "Open Kernel
+        #   Modules: sudo apt -V install nvidia-open", "Proprietary Kernel Modules: sudo apt -V install
+        #   cuda-drivers"; a branch by "sudo apt install nvidia-driver-pinning-<branch>" first (Recent
+        #   Updates: "Driver pinning packages have been introduced for Debian and Ubuntu to track specific
+        #   driver branches").
+        # - Kernel Modules (.../driver-installation-guide/kernel-modules.html): "Starting in the 560 driver
+        #   release series, the open kernel module flavor is the default and suggested installation"
+        #   (nvidia-open from then on; before it, nvidia-kernel-open-dkms beside cuda-drivers).
+        # - A branch-named metapackage does not hold its branch there: https://forums.developer.nvidia.com/
+        #   t/353805 "Debian cuda-drivers-580 package 580.105.08-1 improperly pulls in v590 components":
+        #   "Depends: nvidia-driver (>= 580.65.06), nvidia-driver-cuda (>= 580.65.06), nvidia-kernel-dkms
+        #   (>= 580.65.06) ...". So the role writes NVIDIA's APT version lock instead (.../version-locking
+        #   .html, APT: "Package: src:*nvidia*:any src:cuda-drivers:any src:cuda-compat:any", "Pin: version
+        #   <branch>.*", "Pin-Priority: 1000"), which holds any branch; pinning packages are seen for 570
+        #   and 580 only.
+        # - Fabric manager in https://developer.download.nvidia.com/compute/cuda/repos/debian12/x86_64/:
+        #   "nvidia-fabricmanager-550_550.90.07-1_amd64.deb", "nvidia-fabricmanager-570_570.172.08-1_
+        #   amd64.deb", "nvidia-fabricmanager-575_575.57.08-1_amd64.deb", and "580 has the following format
+        #   nvidia-fabricmanager_580.65.06-1_amd64.deb" (public install scripts quoting the listing). Same
+        #   repository, same pin: the driver's version.
+        if not open_modules:
+            meta = ["cuda-drivers"]
+        elif branch >= OPEN_DEFAULT_BRANCH:
+            meta = ["nvidia-open"]
+        else:
+            meta = ["nvidia-kernel-open-dkms", "cuda-drivers"]
+        fm_name = (
+            "nvidia-fabricmanager"
+            if branch >= DEBIAN_FM_UNVERSIONED_BRANCH
+            else f"nvidia-fabricmanager-{branch}"
+        )
+        fm_pkgs = [fm_name] if fm else []
         return _part(
             "install",
-            f"Debian {version} has no nvidia-driver-N-server: branch {branch} from NVIDIA's CUDA repository "
-            f"(cuda-keyring), {flavor}" + (", and its fabric manager from the same repository" if fm else ""),
+            f"Debian {version} has no nvidia-driver-N-server: NVIDIA's CUDA repository (cuda-keyring, with "
+            f"Debian's contrib component), {' + '.join(meta)}, {flavor}, held to branch {branch} by an APT "
+            f"pin (version {branch}.*: the repository's metapackages follow its newest branch)"
+            + (f", and the fabric manager {fm_name} under the same pin" if fm else ""),
             repo="nvidia",
-            packages=[name, *headers, *fm_pkgs],
+            components=["contrib"],
+            pin=f"{branch}.*",
+            packages=[*meta, *headers, *fm_pkgs],
         )
     return _part(
         "refuse",
         f"{os_name or 'this OS'}: the role installs drivers on Debian and Ubuntu only; install driver "
         f"branch {branch} by hand (with nvidia-fabricmanager-{branch} on an NVSwitch board), then re-run",
         repo=None,
+        components=[],
+        pin=None,
         packages=[],
     )
 
