@@ -9,13 +9,13 @@ it (SIGTERM to that rank stops the whole run), and tell a clean end from a crash
 from __future__ import annotations
 
 import json
-import os
 import socket
 import time
 from pathlib import Path
 from typing import Any
 
 from trainer.fsutil import atomic_write_text
+from trainer.salvage.proc import identity
 
 NODE_FILE = "node.json"  # in out_dir on every node but node 0 (whose events say the same and more)
 
@@ -31,7 +31,7 @@ def write_node_marker(out_dir, node: int, started: float, status: str = "running
     record = {
         "node": node,
         "host": socket.gethostname(),
-        "pid": os.getpid(),
+        **identity(),  # pid + its start ticks and boot id: salvage stop proves it is this rank
         "time": started,
         "status": status,
         "step": step,

@@ -16,6 +16,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -271,8 +272,9 @@ def test_salvage_end_to_end_on_radosgw(tmp_path, tiny_target, tiny_data, rgw):
         assert ver["load"]["datasets"]["data/ds"]["verdict"] == "PASSED"
         assert any(r["prefix"] == "run/checkpoints/" for r in ver["inventory"])
 
-        # 8. notes
-        dflash("notes", set_dir, check_rc=0)
+        # 8. notes; they say the node may go, but it can go only once the final push put them in S3
+        res = dflash("notes", set_dir, check_rc=1)
+        assert "S3 does not hold these notes yet" in res.stdout and "the node can go" not in res.stdout
         notes = (set_dir / "NOTES.md").read_text()
         assert "**Verdict: the node can go.**" in notes
         assert f"| {sglang.pid} | server |" in notes and "left running" in notes
@@ -285,6 +287,8 @@ def test_salvage_end_to_end_on_radosgw(tmp_path, tiny_target, tiny_data, rgw):
         assert report["node_can_go"] is True and report["stop"]["state"] == "stopped"
         dflash("push", set_dir, "--s3", url, "--endpoint-url", rgw.endpoint_url, "--no-progress", check_rc=0)
         assert "e2e/node-a/NOTES.md" in keys(s3c, "salvage", "e2e/")
+        assert "the node can go" in dflash("notes", set_dir, check_rc=0).stdout
+        assert (set_dir / "NOTES.md").read_text() == notes
 
         # 9. a second full run: nothing moves, everything is verified again, the notes are unchanged
         res = dflash("all", *common, check_rc=0)
@@ -640,8 +644,10 @@ def test_bad_input_is_refused_before_any_work(tmp_path, finished_run):
 
 
 def test_stop_timeout_is_loud_and_a_dead_run_is_said(tmp_path):
-    """A process that ignores SIGTERM stands in for a trainer stuck in a hung collective."""
+    """A process that ignores SIGTERM stands in for a trainer stuck in a hung collective (its pid and
+    start ticks in run_start, as the trainer writes them)."""
     from trainer.events import EventWriter
+    from trainer.salvage.proc import identity
 
     stuck = subprocess.Popen(
         [
@@ -656,7 +662,7 @@ def test_stop_timeout_is_loud_and_a_dead_run_is_said(tmp_path):
     try:
         assert stuck.stdout.readline().strip() == "ready"
         run = tmp_path / "stuck"
-        EventWriter(run, "r1").emit("run_start", schema_version=1, config={}, pid=stuck.pid)
+        EventWriter(run, "r1").emit("run_start", schema_version=1, config={}, **identity(stuck.pid))
         res = dflash("stop", "--run-dir", run, "--timeout", 2, check_rc=3)
         assert "TIMEOUT" in res.stderr and "STILL RUNNING" in res.stderr and f"pid {stuck.pid}" in res.stderr
         assert stuck.poll() is None
@@ -667,6 +673,52 @@ def test_stop_timeout_is_loud_and_a_dead_run_is_said(tmp_path):
     EventWriter(dead, "r2").emit("run_start", schema_version=1, config={}, pid=stuck.pid)
     res = dflash("stop", "--run-dir", dead, "--json", check_rc=1)
     assert json.loads(res.stdout)["state"] == "dead"
+
+
+def test_stop_never_signals_an_unrelated_process_behind_a_stale_pid(tmp_path):
+    """A trainer killed -9 leaves a run_start naming its pid; the pid is later taken by an unrelated
+    long-lived process. Before: `salvage stop` saw a live pid older than the event and SIGTERMed it."""
+    from trainer.events import EventWriter
+    from trainer.salvage.proc import identity
+
+    unrelated = subprocess.Popen(["sleep", "300"])  # stands in for the process that reused the pid
+    try:
+        assert wait_for(lambda: identity(unrelated.pid)["pid_start"] is not None, 10)
+        ident = identity(unrelated.pid)
+        stale = tmp_path / "stale"  # the dead trainer's start ticks: not the ones /proc shows now
+        EventWriter(stale, "r1").emit("run_start", schema_version=1, config={},
+                                      **{**ident, "pid_start": ident["pid_start"] - 50})  # fmt: skip
+        legacy = tmp_path / "legacy"  # an older trainer's run_start: a pid, no start ticks
+        EventWriter(legacy, "r2").emit("run_start", schema_version=1, config={}, pid=unrelated.pid)
+        for run in (stale, legacy):
+            res = dflash("stop", "--run-dir", run, "--timeout", 5, "--json", check_rc=1)
+            rep = json.loads(res.stdout)
+            assert rep["state"] == "not_ours" and not rep["ok"], rep
+            assert f"pid {unrelated.pid} is NOT its trainer" in rep["message"]
+            assert "Nothing was signalled" in rep["message"] and "signalled_pid" not in rep
+            time.sleep(0.5)
+            assert unrelated.poll() is None, f"salvage stop signalled an unrelated process ({run.name})"
+        assert (
+            "its pid was reused"
+            in json.loads(dflash("stop", "--run-dir", stale, "--json", check_rc=1).stdout)["message"]
+        )
+    finally:
+        unrelated.kill()
+        unrelated.wait()
+
+
+def test_one_unparseable_events_line_is_skipped_by_verify_and_named(tmp_path, finished_run):
+    """A torn or garbled line in events.jsonl (every reader of the stream skips it). Before: verify
+    failed for good ("does not parse: line N"), so no salvage of that run could ever pass."""
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run, symlinks=True)
+    with open(run / "events.jsonl", "a") as fh:
+        fh.write('{"event": "step", "step": 5, garbled\n')
+    set_dir = tmp_path / "set"
+    dflash("collect", "--run-dir", run, "--out", set_dir, "--no-data", check_rc=0)
+    res = dflash("verify", set_dir, "--no-load-checkpoints", check_rc=0)
+    n = len((run / "events.jsonl").read_text().splitlines())
+    assert f"warning  run/events.jsonl: 1 line(s) that are not JSON skipped (line {n})" in res.stdout
 
 
 def test_stop_ends_the_runs_own_vllm_server_left_behind_by_a_crashed_trainer(tmp_path):

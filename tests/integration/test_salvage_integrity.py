@@ -54,6 +54,17 @@ def _verify(set_dir: Path, url: str, endpoint: str, rc: int) -> str:
     return dflash(*args, check_rc=rc).stdout
 
 
+def _final_notes(set_dir: Path, url: str, endpoint: str) -> None:
+    """notes (they say the node may go, but S3 does not hold them yet), the final notes push, notes:
+    only now "the node can go"."""
+    res = dflash("notes", set_dir, "--json", check_rc=1)
+    rep = json.loads(res.stdout)
+    assert rep["notes_verdict"] and not rep["node_can_go"], rep
+    assert "S3 does not hold these notes yet" in rep["reasons"][-1]
+    _push(set_dir, url, endpoint)
+    assert "the node can go" in dflash("notes", set_dir, check_rc=0).stdout
+
+
 def test_a_file_added_after_the_push_is_never_certified(tmp_path, finished_run, moto):  # noqa: F811
     """The review's repro: collect, push, verify, then a file added to the run and collected again
     (one more file), notes, verify. Before: "integrity N of N OK", "the node can go"."""
@@ -63,7 +74,7 @@ def test_a_file_added_after_the_push_is_never_certified(tmp_path, finished_run, 
     first = json.loads(dflash("collect", "--run-dir", run, "--out", set_dir, "--json", check_rc=0).stdout)
     pushed = json.loads(_push(set_dir, url, moto.endpoint_url).stdout)
     _verify(set_dir, url, moto.endpoint_url, rc=0)
-    assert "the node can go" in dflash("notes", set_dir, check_rc=0).stdout
+    _final_notes(set_dir, url, moto.endpoint_url)
 
     (run / "late.txt").write_text("written after the push\n")
     again = json.loads(dflash("collect", "--run-dir", run, "--out", set_dir, "--json", check_rc=0).stdout)
@@ -81,7 +92,7 @@ def test_a_file_added_after_the_push_is_never_certified(tmp_path, finished_run, 
 
     _push(set_dir, url, moto.endpoint_url)  # the late file goes up; then everything holds again
     _verify(set_dir, url, moto.endpoint_url, rc=0)
-    assert "the node can go" in dflash("notes", set_dir, check_rc=0).stdout
+    _final_notes(set_dir, url, moto.endpoint_url)
     assert client(moto.endpoint_url).get_object(Bucket="salvage", Key="late-file/run/late.txt")[
         "Body"
     ].read() == (b"written after the push\n")
@@ -237,3 +248,41 @@ def test_a_full_disk_during_collect_is_a_clear_refusal(tmp_path, finished_run): 
         assert "Traceback" not in res.stderr + res.stdout
         assert not [p for p in mnt.rglob("*") if p.name.endswith((".salvage-tmp", ".tmp"))]
         assert not (mnt / "set" / "MANIFEST.json").exists()
+
+
+def test_salvage_all_to_a_refused_address_after_a_good_salvage_cannot_go(tmp_path, finished_run, rgw):  # noqa: F811
+    """The review's repro on radosgw: a good salvage to one prefix, then `salvage all --s3
+    s3://nosuchbucket/x`. Before: the push was refused, `all` ran notes anyway, and the earlier
+    salvage's push and verify reports (another prefix) made it print "the node can go" and write
+    `node_can_go: true`. Also: a last push that is refused (the endpoint down) takes "can go" back."""
+    set_dir, url = tmp_path / "set", "s3://salvage/good/node-a"
+    common = ["--run-dir", finished_run, "--out", set_dir, "--endpoint-url", rgw.endpoint_url]
+    good = dflash("all", *common, "--s3", url, check_rc=0)
+    assert "the node can go" in good.stdout
+    assert json.loads((set_dir / "salvage-report.json").read_text())["node_can_go"] is True
+    rgw.kill_gateway()
+    try:
+        res = _push(set_dir, url, rgw.endpoint_url, rc=2)  # the endpoint unreachable: refused
+        assert "Traceback" not in res.stderr
+    finally:
+        rgw.start_gateway()
+    rep = json.loads(dflash("notes", set_dir, "--json", check_rc=1).stdout)
+    assert not rep["node_can_go"] and rep["notes_verdict"] is False, rep
+    assert any(r.startswith(f"push to {url} was refused: S3 endpoint unreachable") for r in rep["reasons"]), (
+        rep
+    )
+
+    res = dflash("all", *common, "--s3", "s3://nosuchbucket/x", check_rc=2)
+    assert "the node can go" not in res.stdout and "Traceback" not in res.stderr
+    assert "DO NOT shut the node down yet" in res.stdout, res.stdout[-3000:]
+    report = json.loads((set_dir / "salvage-report.json").read_text())
+    assert report["node_can_go"] is False
+    assert any(r.startswith("push to s3://nosuchbucket/x was refused:") for r in report["reasons"]), report
+    assert "**Verdict: DO NOT shut the node down yet.**" in (set_dir / "NOTES.md").read_text()
+    # nothing ran after the refused push: no verify report in this salvage; the earlier one is kept aside
+    state = set_dir / ".salvage"
+    assert not (state / "verify.json").exists()
+    (kept,) = [p for p in (state / "previous").iterdir() if (p / "verify.json").is_file()]
+    old_verify = json.loads((kept / "verify.json").read_text())
+    assert old_verify["ok"] and old_verify["where"] == url
+    assert json.loads(dflash("notes", set_dir, "--json", check_rc=1).stdout)["node_can_go"] is False

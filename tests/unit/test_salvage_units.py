@@ -3,6 +3,8 @@ nvidia-smi compute-apps format, S3 addresses, the prefix table, and the light-si
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from trainer.s3 import S3Error
@@ -207,24 +209,146 @@ def test_content_digest_names_the_bytes_not_when_or_where():
     assert content_digest(c) != content_digest(a)
 
 
+def _steps(collected="a", pushed="a", verified="a", local="a", sid="S1", where="s3://b/p", **over):
+    steps = {
+        "stop": {"ok": True},
+        "collect": {"manifest_digest": collected, "salvage_id": sid},
+        "push": {"ok": True, "manifest_digest": pushed, "s3": "s3://b/p", "salvage_id": sid},
+        "verify": {
+            "ok": True,
+            "manifest_digest": verified,
+            "set_digest": local,
+            "where": where,
+            "salvage_id": sid,
+        },
+    }
+    for step, fields in over.items():
+        steps[step] = {**steps[step], **fields} if fields is not None else None
+    return {k: v for k, v in steps.items() if v is not None}
+
+
 def test_the_verdict_wants_collect_push_and_verify_to_name_the_same_set():
     from trainer.salvage.notes import verdict
 
-    def steps(collect, push, verify, local):
-        return {
-            "stop": {"ok": True},
-            "collect": {"manifest_digest": collect},
-            "push": {"ok": True, "manifest_digest": push},
-            "verify": {"ok": True, "manifest_digest": verify, "set_digest": local},
-        }
-
-    assert verdict(steps("a", "a", "a", "a"), "a") == (True, [])
-    ok, reasons = verdict(steps("b", "a", "a", "a"), "b")  # a file collected after the push
+    assert verdict(_steps(), "a", "S1") == (True, [])
+    ok, reasons = verdict(_steps(collected="b"), "b", "S1")  # a file collected after the push
     assert not ok and "describe different sets" in reasons[0] and "collect b" in reasons[0]
-    ok, reasons = verdict(steps("a", "a", "a", None), "a")  # a verify that never saw the collected set
+    ok, reasons = verdict(_steps(local=None), "a", "S1")  # a verify that never saw the collected set
     assert not ok and "named no manifest digest" in reasons[0]
-    ok, reasons = verdict(steps("a", "a", "a", "a"), "c")  # the set changed after collect
+    ok, reasons = verdict(_steps(), "c", "S1")  # the set changed after collect
     assert not ok and "different sets" in reasons[0]
+
+
+def test_the_verdict_wants_every_report_of_this_salvage_and_one_s3_address():
+    """The review's hole: reports of an earlier salvage (to another prefix) certified a refused one."""
+    from trainer.salvage.notes import verdict
+
+    ok, reasons = verdict(_steps(), "a", "S2")  # every report is of salvage S1; S2 is open
+    assert not ok and len(reasons) == 3 and all("of an earlier salvage" in r for r in reasons), reasons
+    ok, reasons = verdict(_steps(push={"salvage_id": "S0"}), "a", "S1")
+    assert not ok and reasons == ["the push report is of an earlier salvage (S0, not S1): run push again"]
+    ok, reasons = verdict(_steps(where="s3://b/other"), "a", "S1")  # verified another prefix than pushed
+    assert not ok and "different S3 addresses (push s3://b/p, verify s3://b/other)" in reasons[0]
+    ok, reasons = verdict(_steps(verify={"where": None}), "a", "S1")
+    assert not ok and "named no S3 address" in reasons[0]
+    refused = {"ok": False, "refused": "no such bucket", "s3": "s3://nosuchbucket/x", "manifest_digest": None}
+    ok, reasons = verdict(_steps(push=refused), "a", "S1")
+    assert not ok and reasons == ["push to s3://nosuchbucket/x was refused: no such bucket"]
+    ok, reasons = verdict(_steps(), "a", None)  # no salvage was ever started in the set
+    assert not ok and "no salvage was started" in reasons[0]
+    ok, reasons = verdict(_steps(verify=None), "a", "S1")
+    assert not ok and reasons == ["the upload was not verified (no verify report)"]
+
+
+def test_the_node_can_go_only_once_the_last_push_carried_exactly_these_notes():
+    import hashlib
+
+    from trainer.salvage.verdict import notes_in_s3
+
+    written = {"NOTES.md": b"notes", "salvage-report.json": b"{}"}
+    recs = {n: {"sha256": hashlib.sha256(b).hexdigest()} for n, b in written.items()}
+    assert notes_in_s3(_steps(push={"records": recs}), written, "S1") == []
+    assert (
+        "S3 does not hold these notes yet (NOTES.md, salvage-report.json)"
+        in notes_in_s3(_steps(), written, "S1")[0]
+    )  # the push before the notes were written
+    old = {**recs, "NOTES.md": {"sha256": hashlib.sha256(b"older notes").hexdigest()}}
+    assert "(NOTES.md)" in notes_in_s3(_steps(push={"records": old}), written, "S1")[0]
+    failed = _steps(push={"records": recs, "ok": False})  # the final notes push failed (exit 1)
+    assert "did not complete in this salvage" in notes_in_s3(failed, written, "S1")[0]
+    assert "did not complete" in notes_in_s3(_steps(push={"records": recs}), written, "S2")[0]
+
+
+def test_begin_moves_the_earlier_salvages_reports_aside_and_keeps_them(tmp_path):
+    import json
+
+    from trainer.salvage.session import begin, current_id, previous_reports
+
+    state = tmp_path / ".salvage"
+    first = begin(tmp_path)
+    assert first["moved_aside"] is None and current_id(tmp_path) == first["id"]
+    for step in ("stop", "collect", "push", "verify"):
+        (state / f"{step}.json").write_text(json.dumps({"step": step, "salvage_id": first["id"]}))
+    second = begin(tmp_path)
+    assert second["id"] != first["id"] and current_id(tmp_path) == second["id"]
+    assert sorted(p.name for p in state.glob("*.json")) == ["salvage.json"]
+    kept = sorted(p.name for p in Path(second["moved_aside"]).iterdir())
+    assert kept == ["collect.json", "push.json", "salvage.json", "stop.json", "verify.json"]
+    assert previous_reports(tmp_path, "verify") == [Path(second["moved_aside"]) / "verify.json"]
+
+
+def test_a_stale_pid_start_is_never_proof(tmp_path):
+    """The trainer records its pid and /proc start ticks; anything else behind that pid is not it."""
+    import subprocess
+
+    from trainer.salvage.proc import identity, same_process, start_ticks
+    from trainer.salvage.stop import proven
+
+    me = identity()
+    assert me["pid_start"] == start_ticks(me["pid"]) and me["boot_id"]
+    assert proven({"pid": me["pid"], "pid_start": me["pid_start"], "boot_id": me["boot_id"]}) == (True, "")
+    ok, why = proven({"pid": me["pid"], "pid_start": me["pid_start"] - 1})
+    assert not ok and "its pid was reused" in why
+    assert not same_process(me["pid"], me["pid_start"], "another-boot")[0]
+    # an older run_start without pid_start: only a dflash trainer by its command line could be it
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        ok, why = proven({"pid": sleeper.pid, "time": 4e9})
+        assert not ok and "is not a dflash trainer" in why
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert proven({"pid": sleeper.pid, "pid_start": 1})[1] == f"pid {sleeper.pid} is gone"
+
+
+def test_start_ticks_reads_field_22_after_a_command_name_with_spaces_and_parens(tmp_path):
+    import subprocess
+
+    from trainer.salvage.proc import start_ticks
+
+    odd = tmp_path / "a b) (c"  # a command name that breaks a naive split of /proc/PID/stat
+    odd.symlink_to("/bin/sleep")
+    proc = subprocess.Popen([str(odd), "30"])
+    try:
+        fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        assert start_ticks(proc.pid) == int(fields[19]) > 0
+        assert Path(f"/proc/{proc.pid}/stat").read_text().split()[1].startswith("(a")
+    finally:
+        proc.kill()
+        proc.wait()
+    assert start_ticks(proc.pid) is None
+
+
+def test_an_unparseable_events_line_is_skipped_and_named_not_a_failure(tmp_path):
+    from trainer.salvage.loadable import check_text_files
+
+    (tmp_path / "events.jsonl").write_text('{"event": "run_start"}\n{not json\n' + "[" * 100000 + "\n{}\n")
+    failures, warnings = check_text_files(tmp_path, ["events.jsonl"])
+    assert failures == []
+    assert warnings == ["events.jsonl: 2 line(s) that are not JSON skipped (line 2, 3)"]
+    (tmp_path / "bad.json").write_text("[" * 100000)  # deeply nested: a RecursionError, not a traceback
+    failures, _ = check_text_files(tmp_path, ["bad.json"])
+    assert failures and failures[0]["path"] == "bad.json"
 
 
 def test_compare_sets_names_every_difference():
@@ -273,3 +397,48 @@ def test_repairs_reads_what_the_last_verify_of_that_prefix_found(tmp_path):
     assert repairs(tmp_path, "s3://bkt/other") == set()  # another prefix's verify says nothing here
     (tmp_path / ".salvage" / "verify.json").write_text(json.dumps({**rep, "ok": True}))
     assert repairs(tmp_path, "s3://bkt/p") == set()
+
+
+def _role_tasks(name: str) -> list[dict]:
+    import yaml
+
+    return yaml.safe_load((Path(__file__).parents[2] / "roles" / "salvage" / "tasks" / name).read_text())
+
+
+def test_the_roles_verdict_reads_the_final_notes_push_and_the_notes_after_it():
+    """The review's hole: the role accepted exit 1 from the final notes push and its verdict read the
+    notes written before it, so the play said "can go" while S3 kept earlier notes. The verdict's own
+    conditions are evaluated here (jinja2, as Ansible does) over registered results."""
+    import json
+
+    import jinja2
+    import yaml
+
+    push = _role_tasks("push.yml")
+    registered = [t.get("register") for t in push]
+    # the verdict's notes are the ones run after the final notes push
+    assert registered.index("_salvage_notes") > registered.index("_salvage_push_notes")
+    (verdict,) = [t for t in _role_tasks("main.yml") if t.get("name") == "The verdict"]
+    conds = verdict["ansible.builtin.assert"]["that"]
+    codes = yaml.safe_load((Path(__file__).parents[2] / "roles/salvage/vars/main.yml").read_text())
+    env = jinja2.Environment()
+    env.filters["from_json"] = json.loads
+
+    def holds(**results) -> bool:
+        ctx = {**codes, **results}
+        return all(env.from_string("{{ (" + c + ") | string }}").render(ctx) == "True" for c in conds)
+
+    good = {
+        "_salvage_stop": {"rc": 0, "stdout": "{}"},
+        "_salvage_push": {"rc": 0},
+        "_salvage_verify": {"rc": 0},
+        "_salvage_push_notes": {"rc": 0, "stderr": ""},
+        "_salvage_notes": {"rc": 0, "stdout": json.dumps({"node_can_go": True})},
+    }
+    assert holds(**good)
+    for rc in (1, 2):  # the final notes push failed or was refused: S3 keeps earlier notes
+        assert not holds(**{**good, "_salvage_push_notes": {"rc": rc, "stderr": "x"}})
+    assert not holds(**{**good, "_salvage_push": {"rc": 1}})
+    assert not holds(**{**good, "_salvage_notes": {"rc": 1, "stdout": json.dumps({"node_can_go": False})}})
+    fetch_only = {"_salvage_stop": good["_salvage_stop"]}  # no S3: no push ran
+    assert holds(**fetch_only)

@@ -18,6 +18,7 @@ from typing import Any
 
 from trainer.cli.argtypes import chunk_mib, count, positive, seconds
 from trainer.errors import ExitCode
+from trainer.salvage.session import record, recorded, s3_name
 
 
 def _emit(args, report: dict[str, Any], text: str) -> None:
@@ -29,9 +30,7 @@ def _emit(args, report: dict[str, Any], text: str) -> None:
 
 def _save(set_dir: Path | None, step: str, report: dict[str, Any]) -> None:
     if set_dir is not None and not report.get("check"):
-        from trainer.salvage.notes import save_step
-
-        save_step(set_dir, step, report)
+        record(set_dir, step, report)
 
 
 def cmd_inventory(args) -> int:
@@ -47,6 +46,15 @@ def cmd_stop(args) -> int:
     from trainer.salvage.inventory import render_table, take_inventory
     from trainer.salvage.stop import stop_others, stop_trainer
 
+    if args.out is not None and not args.check:
+        # the stop starts a salvage of the set: a new id, the earlier salvage's reports moved aside
+        from trainer.salvage.session import begin
+
+        began = begin(args.out)
+        moved = (
+            f"; the earlier salvage's reports kept in {began['moved_aside']}" if began["moved_aside"] else ""
+        )
+        print(f"dflash salvage: salvage {began['id'][:12]} of {args.out} began{moved}", file=sys.stderr)
     inv = take_inventory([args.run_dir], args.stop_unknown)
     if args.out is not None and not args.check:
         from trainer.salvage.notes import save_step
@@ -79,18 +87,19 @@ def cmd_stop(args) -> int:
 def cmd_collect(args) -> int:
     from trainer.salvage.collect import collect
 
-    rep = collect(
-        args.run_dir,
-        args.out,
-        keep=args.keep,
-        config=args.config,
-        includes=args.include,
-        recon=args.recon,
-        with_data=not args.no_data,
-        hardlink=not args.copy,
-        check=args.check,
-        refresh_facts=args.refresh_facts,
-    )
+    with recorded(args.out, "collect", args.check):
+        rep = collect(
+            args.run_dir,
+            args.out,
+            keep=args.keep,
+            config=args.config,
+            includes=args.include,
+            recon=args.recon,
+            with_data=not args.no_data,
+            hardlink=not args.copy,
+            check=args.check,
+            refresh_facts=args.refresh_facts,
+        )
     _save(args.out, "collect", rep)
     lines = [
         (
@@ -127,19 +136,20 @@ def cmd_push(args) -> int:
     from trainer.salvage import RECORDS
     from trainer.salvage.verify import repairs
 
-    rep = push(
-        args.set,
-        args.s3,
-        args.endpoint_url,
-        check=args.check,
-        references=args.reference,
-        records=RECORDS,
-        workers=args.workers,
-        chunk_bytes=args.chunk_mib * 2**20,
-        threshold_bytes=args.chunk_mib * 2**20,
-        progress=not args.no_progress,
-        force=repairs(args.set, args.s3),  # what the last verify of this prefix found wrong: sent again
-    )
+    with recorded(args.set, "push", args.check, s3=s3_name(args.s3)):
+        rep = push(
+            args.set,
+            args.s3,
+            args.endpoint_url,
+            check=args.check,
+            references=args.reference,
+            records=RECORDS,
+            workers=args.workers,
+            chunk_bytes=args.chunk_mib * 2**20,
+            threshold_bytes=args.chunk_mib * 2**20,
+            progress=not args.no_progress,
+            force=repairs(args.set, args.s3),  # what the last verify of this prefix found wrong: sent again
+        )
     _save(args.set, "push", rep)
     lines = [
         (
@@ -182,12 +192,22 @@ def cmd_push(args) -> int:
 
 
 def cmd_verify(args) -> int:
-    from trainer.salvage.verify import render, verify_local, verify_s3
+    from trainer.salvage.verify import render
 
     if (args.s3 is None) == (args.set is None):
         from trainer.salvage import SalvageError
 
         raise SalvageError("give either --s3 s3://BUCKET/PREFIX or a local salvage set folder")
+    with recorded(args.out, "verify", False, where=s3_name(args.s3) if args.s3 else str(args.set)):
+        rep = _verify(args)
+    _save(args.out, "verify", rep)
+    _emit(args, rep, render(rep))
+    return ExitCode.OK if rep["ok"] else ExitCode.FAILED
+
+
+def _verify(args) -> dict[str, Any]:
+    from trainer.salvage.verify import verify_local, verify_s3
+
     if args.s3:
         local = None
         if args.out is not None:  # the collected set: what must be in S3
@@ -219,26 +239,29 @@ def cmd_verify(args) -> int:
             data_gate=args.data_gate,
             load_checkpoints=not args.no_load_checkpoints,
         )
-    _save(args.out, "verify", rep)
-    _emit(args, rep, render(rep))
-    return ExitCode.OK if rep["ok"] else ExitCode.FAILED
+    return rep
 
 
 def cmd_notes(args) -> int:
     from trainer.salvage.notes import write_notes
 
     rep = write_notes(args.set)
-    text = f"wrote {rep['notes']} and {rep['report']}: " + (
-        "the node can go"
-        if rep["node_can_go"]
-        else "DO NOT shut the node down yet:\n  " + "\n  ".join(rep["reasons"])
+    if rep["node_can_go"]:
+        verdict = "the node can go (S3 holds these notes)"
+    elif rep["notes_verdict"]:
+        verdict = "they say it may go once S3 holds them; DO NOT shut the node down yet:\n  "
+    else:
+        verdict = "DO NOT shut the node down yet:\n  "
+    text = f"wrote {rep['notes']} and {rep['report']}: {verdict}" + (
+        "" if rep["node_can_go"] else "\n  ".join(rep["reasons"])
     )
     _emit(args, rep, text)
     return ExitCode.OK if rep["node_can_go"] else ExitCode.FAILED
 
 
 def cmd_all(args) -> int:
-    """inventory -> stop -> collect -> push -> verify -> notes -> push (the notes): what the role runs."""
+    """stop (begins the salvage) -> collect -> push -> verify -> notes -> push (the final notes push) ->
+    notes (the verdict: S3 holds these notes): what the role runs."""
     base = ["--json"] if args.json else []
     common_s3 = ["--s3", args.s3] + (["--endpoint-url", args.endpoint_url] if args.endpoint_url else [])
     stop = ["stop", "--run-dir", str(args.run_dir), "--out", str(args.out), "--timeout", str(args.timeout)]
@@ -266,18 +289,26 @@ def cmd_all(args) -> int:
             file=sys.stderr,
         )
         return max(codes)
+    notes = ["notes", str(args.out), *base]
+    # stop starts the salvage (a new id; the earlier salvage's reports are moved aside). The first step
+    # that is refused (or, for collect and push, fails) ends it: nothing after it runs but the notes,
+    # which then say DO NOT shut the node down and why (a refused step records a report saying so)
     rc_stop = salvage_step([*stop, *base])
     if rc_stop == ExitCode.REFUSED:
+        salvage_step(notes)
         return rc_stop
     for step in (collect, push):
         rc = salvage_step([*step, *base])
         if rc != ExitCode.OK:
-            salvage_step(["notes", str(args.out), *base])
+            salvage_step(notes)
             return rc
     rc_verify = salvage_step([*verify, *base])
-    rc_notes = salvage_step(["notes", str(args.out), *base])
-    rc_push = salvage_step([*push, *base])  # NOTES.md, the report and the refreshed manifest
-    return max(rc_stop, rc_verify, rc_notes, rc_push)
+    salvage_step(notes)  # the notes of this salvage; they are not in S3 yet
+    if rc_verify == ExitCode.REFUSED:
+        return rc_verify
+    rc_push = salvage_step([*push, *base])  # the final notes push: NOTES.md, the report, the manifest
+    rc_final = salvage_step(notes)  # the node can go only now: S3 holds exactly these notes
+    return max(rc_stop, rc_verify, rc_push, rc_final)
 
 
 def register(sub) -> None:

@@ -3,13 +3,13 @@
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from trainer.regenerate.meta import RegenerateError
+from trainer.salvage.proc import identity
 
 
 class BatchPusher:
@@ -92,7 +92,7 @@ class RegenEvents:
         self.step = done
         self.writer.emit(
             "run_start",
-            pid=os.getpid(),
+            **identity(),  # pid, its start ticks, boot id: `salvage stop` proves it is this job
             start_step=done,
             tokens=tokens,
             totals={"total_steps": batches, "data": {"samples": plan["num_prompts"]}},

@@ -56,17 +56,23 @@ def check_text_files(root: Path, rels: list[str]) -> tuple[list[dict[str, str]],
                     warnings.append(
                         f"{rel}: the last line is incomplete (a writer was killed mid-line); ignored"
                     )
+                # like every reader of an event stream (trainer/events.py): a line that does not parse
+                # is skipped and named, never a reason to refuse the whole file
+                bad = []
                 for i, line in enumerate(lines[:-1], 1):
                     if line.strip():
                         try:
                             json.loads(line)
-                        except ValueError as exc:
-                            raise ValueError(f"line {i}: {exc}") from None
+                        except (ValueError, RecursionError):
+                            bad.append(i)
+                if bad:
+                    shown = ", ".join(map(str, bad[:10])) + (" ..." if len(bad) > 10 else "")
+                    warnings.append(f"{rel}: {len(bad)} line(s) that are not JSON skipped (line {shown})")
             elif rel.endswith((".yaml", ".yml")):
                 yaml.safe_load(p.read_text())
             elif rel.endswith(".safetensors"):
                 read_safetensors_header(p)
-        except (SafetensorsError, ValueError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        except (SafetensorsError, ValueError, UnicodeDecodeError, RecursionError, yaml.YAMLError) as exc:
             msg = str(exc).replace(str(root) + "/", "")
             failures.append({"path": rel, "why": f"does not parse: {msg}"})
     return failures, warnings

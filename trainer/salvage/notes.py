@@ -1,9 +1,10 @@
 """NOTES.md and salvage-report.json: what the node was, what ran, where everything went, what was
 proven and how, and what was left behind, generated from the step reports in `SET/.salvage/`.
 
-The first lines give the verdict: "the node can go" only when the trainer stopped cleanly (or was not
-running), the push completed and verify passed; otherwise every reason not to shut it down is listed.
-Light side.
+The first lines give the verdict (trainer/salvage/verdict.py): "the node can go" only when the trainer
+stopped cleanly (or was not running) and collect, push and verify of THIS salvage name the set as it is
+now and one S3 address; otherwise every reason not to shut it down is listed. `write_notes` says the
+node can go only once the last push also carried exactly these notes to S3. Light side.
 """
 
 from __future__ import annotations
@@ -15,7 +16,10 @@ from typing import Any
 
 from trainer.fsutil import atomic_write_text
 from trainer.manifest import MANIFEST_NAME, ManifestError, content_digest, load_manifest
+from trainer.redact import redact, redact_text
 from trainer.salvage import NOTES_NAME, REPORT_NAME, STATE_DIR, SalvageError
+from trainer.salvage.session import current_id
+from trainer.salvage.verdict import notes_in_s3, notes_verdict
 from trainer.salvage.verify import load_lines
 
 STEPS = ("inventory", "stop", "collect", "push", "verify")
@@ -29,10 +33,14 @@ def load_steps(set_dir: Path) -> dict[str, Any]:
     for step in STEPS:
         p = Path(set_dir) / STATE_DIR / f"{step}.json"
         kept = Path(set_dir) / first.get(step, "-")
-        if kept.is_file():
-            out[step] = json.loads(kept.read_text())
-        elif p.is_file():
-            out[step] = json.loads(p.read_text())
+        for f in (kept, p):
+            try:
+                rep = json.loads(f.read_text())
+            except (OSError, ValueError, RecursionError):
+                continue  # absent or unreadable: the verdict names a missing report
+            if isinstance(rep, dict):
+                out[step] = rep
+                break
     return out
 
 
@@ -41,66 +49,31 @@ def save_step(set_dir: Path, step: str, report: dict[str, Any]) -> Path:
     (timings, what this run happened to send) leaves the file alone, so an unchanged node keeps
     unchanged files (a fetch of the set then moves nothing)."""
     p = Path(set_dir) / STATE_DIR / f"{step}.json"
-    new = json.loads(json.dumps(report, default=str))
+    new = redact(json.loads(json.dumps(report, default=str)))
     if p.is_file():
         try:
-            if _stable({step: json.loads(p.read_text())}) == _stable({step: new}):
+            old = json.loads(p.read_text())
+            if _stable({step: old}) == _stable({step: new}) and _bound(old) == _bound(new):
                 return p
-        except ValueError:
+        except (ValueError, RecursionError, AttributeError):
             pass
     atomic_write_text(p, json.dumps(new, indent=1) + "\n")
     return p
 
 
-def verdict(steps: dict[str, Any], current: str | None = None) -> tuple[bool, list[str]]:
-    """(node can go, every reason not to). `current` is the content digest of the set's MANIFEST.json
-    now: collect, push and verify must each name it (the set collected is the set in S3, proven)."""
-    reasons = []
-    stop = steps.get("stop")
-    if stop is None:
-        reasons.append("the trainer was not stopped through salvage (no stop report)")
-    elif not stop.get("ok"):
-        reasons.append(f"stop: {stop.get('message')}")
-    if "collect" not in steps:
-        reasons.append("nothing was collected (no collect report)")
-    push = steps.get("push")
-    if push is None:
-        reasons.append("the set was not pushed to S3 (no push report)")
-    elif not push.get("ok"):
-        reasons.append(f"push: {len(push.get('failed', []))} object(s) failed to upload; re-run the push")
-    ver = steps.get("verify")
-    if ver is None:
-        reasons.append("the upload was not verified (no verify report)")
-    elif not ver.get("ok"):
-        reasons.append("verify FAILED: " + "; ".join(s.strip() for s in ver.get("summary", [])[1:6]))
-    reasons += _same_set(steps, current)
-    return not reasons, reasons
+def _bound(report: dict[str, Any]) -> tuple[Any, Any]:
+    """What a report must keep although `_stable` leaves it out: its salvage and the records it pushed."""
+    recs = report.get("records")
+    return report.get("salvage_id"), (
+        {k: (v or {}).get("sha256") for k, v in recs.items()} if isinstance(recs, dict) else recs
+    )
 
 
-def _same_set(steps: dict[str, Any], current: str | None) -> list[str]:
-    """Reasons why the collect, push and verify reports may describe different sets."""
-    named = {
-        "the set's MANIFEST.json": current,
-        "collect": (steps.get("collect") or {}).get("manifest_digest"),
-        "push": (steps.get("push") or {}).get("manifest_digest"),
-        "verify (S3's manifest)": (steps.get("verify") or {}).get("manifest_digest"),
-        "verify (the collected set it compared with)": (steps.get("verify") or {}).get("set_digest"),
-    }
-    if not all(k in steps for k in ("collect", "push", "verify")):
-        return []  # already a reason above
-    unnamed = [k for k, v in named.items() if not v]
-    if unnamed:
-        return [
-            f"{', '.join(unnamed)} named no manifest digest, so nothing proves that the set collected is "
-            "the set in S3: re-run push and verify (`dflash salvage verify --s3 URL --out SET`)"
-        ]
-    if len(set(named.values())) > 1:
-        return [
-            "collect, push and verify describe different sets ("
-            + ", ".join(f"{k} {v[:12]}" for k, v in named.items())
-            + "): the set changed after it was pushed or verified; push and verify it again"
-        ]
-    return []
+def verdict(
+    steps: dict[str, Any], current: str | None = None, salvage_id: str | None = None
+) -> tuple[bool, list[str]]:
+    """(the notes may say the node can go, every reason not to): `verdict.notes_verdict`."""
+    return notes_verdict(steps, current, salvage_id)
 
 
 def _gb(n: float | None) -> str:
@@ -111,8 +84,10 @@ def _ts(t: float | None) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t)) if t else "?"
 
 
-def render_notes(set_dir: Path, steps: dict[str, Any], current: str | None = None) -> str:
-    ok, reasons = verdict(steps, current)
+def render_notes(
+    set_dir: Path, steps: dict[str, Any], current: str | None = None, salvage_id: str | None = None
+) -> str:
+    ok, reasons = verdict(steps, current, salvage_id)
     collect = steps.get("collect", {})
     facts = collect.get("facts", {})
     host = facts.get("hostname", "this node")
@@ -321,6 +296,7 @@ VOLATILE = {
     "records",
     "would_place",
     "check",
+    "salvage_id",  # the verdict checks it; the notes and report stay byte for byte the same per node
     "files",
     "bytes",
 }
@@ -362,18 +338,26 @@ def write_notes(set_dir: Path) -> dict[str, Any]:
         current = content_digest(load_manifest(set_dir / MANIFEST_NAME))
     except ManifestError:
         pass  # no (usable) manifest: the verdict names it
-    ok, reasons = verdict(steps, current)
-    text = render_notes(set_dir, steps, current)
-    report = {"report_version": 1, "node_can_go": ok, "reasons": reasons, **_stable(steps)}
+    sid = current_id(set_dir)
+    ok, reasons = verdict(steps, current, sid)
+    text = redact_text(render_notes(set_dir, steps, current, sid))
+    report = redact({"report_version": 1, "node_can_go": ok, "reasons": reasons, **_stable(steps)})
     old = [(set_dir / n).read_text() if (set_dir / n).is_file() else None for n in (NOTES_NAME, REPORT_NAME)]
     new = [text, json.dumps(report, indent=1, default=str, sort_keys=True) + "\n"]
     for name, before, after in zip((NOTES_NAME, REPORT_NAME), old, new, strict=True):
         if before != after:  # an unchanged file keeps its mtime: a later fetch of the set moves nothing
             atomic_write_text(set_dir / name, after)
+    # the notes cannot name their own upload: the node can go once the last push carried these bytes
+    pending = (
+        notes_in_s3(steps, {NOTES_NAME: new[0].encode(), REPORT_NAME: new[1].encode()}, sid) if ok else []
+    )
     return {
         "notes": str(set_dir / NOTES_NAME),
         "report": str(set_dir / REPORT_NAME),
-        "node_can_go": ok,
-        "reasons": reasons,
+        "node_can_go": ok and not pending,
+        "notes_verdict": ok,
+        "notes_in_s3": ok and not pending,
+        "reasons": reasons + pending,
+        "salvage_id": sid,
         "changed": old != new,
     }

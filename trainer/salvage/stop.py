@@ -1,6 +1,8 @@
 """Stop the trainer gracefully and prove it stopped well.
 
-1. Find it: the pid of the run's last `run_start` event that has no `run_end` after it.
+1. Find it: the pid of the run's last `run_start` event that has no `run_end` after it, and prove it is
+   still that process: /proc/PID/stat's start time must equal the `pid_start` the trainer recorded
+   (`proc.py`; a reused pid is never signalled, and the report says so with state `not_ours`).
 2. Ask it to stop the way it was started: `systemctl stop UNIT` when it runs in a systemd service
    (read from /proc/PID/cgroup), `supervisorctl stop NAME` under supervisor (from the process's
    SUPERVISOR_* environment), the torchrun launcher when it is a torchrun worker (torchrun forwards the
@@ -34,6 +36,7 @@ from trainer.events import load_events, read_events
 from trainer.node_marker import read_node_marker
 from trainer.salvage import SalvageError
 from trainer.salvage.inventory import classify
+from trainer.salvage.proc import same_process, start_ticks
 
 
 def run_state(run_dir: Path) -> dict[str, Any]:
@@ -122,15 +125,38 @@ def _describe(pid: int) -> dict[str, Any]:
     return method
 
 
-def _alive(pid: int, started_before: float | None) -> bool:
+def proven(record: dict[str, Any]) -> tuple[bool, str]:
+    """(is `record["pid"]` provably the process that wrote `record`, why not). `record` is a run_start
+    event or a node marker. With `pid_start` (what the trainer writes): /proc must show that start time
+    now, on the same boot. An older record without it: the process must be a dflash trainer by its
+    command line and older than the record. Nothing else is ever signalled."""
+    pid = record.get("pid")
+    if "pid_start" in record:
+        return same_process(pid, record.get("pid_start"), record.get("boot_id"))
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return False, f"no usable pid ({pid!r})"
     try:
         p = psutil.Process(pid)
         if p.status() == psutil.STATUS_ZOMBIE:
-            return False
-        # a recycled pid belongs to a process started after the run wrote run_start
-        return started_before is None or p.create_time() <= started_before + 1.0
+            return False, f"pid {pid} has exited (a zombie)"
+        cmd = p.cmdline()
+        created = p.create_time()
     except psutil.Error:
-        return False
+        return False, f"pid {pid} is gone"
+    cls = classify(cmd, os.path.basename(cmd[0])) if cmd else None
+    if not cls or cls[0] != "trainer":
+        return False, (
+            f"pid {pid} is not a dflash trainer ({' '.join(cmd)[:80] or '?'}) and the run recorded no "
+            "start time to prove it is the run's"
+        )
+    started_before = record.get("time")
+    if isinstance(started_before, (int, float)) and created > started_before + 1.0:
+        return False, f"pid {pid} started after the run recorded it: its pid was reused"
+    return True, ""
+
+
+def _gone(pid: Any) -> bool:
+    return not isinstance(pid, int) or start_ticks(pid) is None
 
 
 def stop_trainer(
@@ -165,12 +191,22 @@ def stop_trainer(
             message=f"the run already ended ({end.get('status')} at step {end.get('step')}): nothing to stop",
         )
         return _with_checkpoint(report, run_dir)
-    if not isinstance(pid, int) or not _alive(pid, start.get("time")):
+    ours, why = proven(start)
+    if not ours and _gone(pid):
         report.update(
             state="dead",
             ok=False,
             message=f"the run has no run_end and its process {pid} is gone (killed or crashed): "
             "no final checkpoint; the newest verified one is salvaged",
+        )
+        return _with_checkpoint(report, run_dir)
+    if not ours:
+        report.update(
+            state="not_ours",
+            ok=False,
+            message=f"the run has no run_end, and pid {pid} is NOT its trainer: {why}. Nothing was "
+            "signalled (the trainer died without run_end; whatever has that pid now is left alone); "
+            "the newest verified checkpoint is salvaged",
         )
         return _with_checkpoint(report, run_dir)
     method = _describe(pid)
@@ -180,7 +216,7 @@ def stop_trainer(
         return _with_checkpoint(report, run_dir)
     offset = (run_dir / "events.jsonl").stat().st_size
     t0 = time.monotonic()
-    _send(method, pid, report)
+    _send(method, pid, report, start)
     final = None
     run_end = None
     deadline = t0 + timeout_s
@@ -193,7 +229,7 @@ def stop_trainer(
                 run_end = ev
         if run_end is not None:
             break
-        if not _alive(pid, start.get("time")):
+        if not proven(start)[0]:
             # it exited: read what it managed to write
             for _, ev in read_events(run_dir / "events.jsonl", offset):
                 if ev.get("event") == "run_end":
@@ -205,7 +241,7 @@ def stop_trainer(
     report["waited_s"] = round(time.monotonic() - t0, 3)
     report["final_checkpoint_event"] = final
     report["end"] = run_end
-    if run_end is None and _alive(pid, start.get("time")):
+    if run_end is None and proven(start)[0]:
         report.update(
             state="timeout",
             ok=False,
@@ -232,7 +268,7 @@ def stop_trainer(
             ok=True,
             message=f"stopped at step {run_end.get('step')} with final checkpoint {final.get('name')}",
         )
-    report["process_exited"] = not _alive(pid, start.get("time"))
+    report["process_exited"] = not proven(start)[0]
     _with_checkpoint(report, run_dir)
     if report["state"] == "stopped" and report.get("checkpoint") != final.get("name"):
         report["ok"] = False
@@ -263,7 +299,15 @@ def stop_follower(
             message=f"{where}: its ranks ended ({marker.get('status')} at step {marker.get('step')})",
         )
         return report
-    if not _alive(pid, marker.get("time")):
+    ours, why = proven(marker)
+    if not ours and not _gone(pid):
+        report.update(
+            state="not_ours",
+            ok=False,
+            message=f"{where}: pid {pid} is NOT its rank: {why}. Nothing was signalled",
+        )
+        return report
+    if not ours:
         report.update(
             state="dead",
             ok=False,
@@ -280,13 +324,13 @@ def stop_follower(
         report.update(state="running", ok=True, message=f"{where}: would stop pid {pid} via {method['how']}")
         return report
     t0 = time.monotonic()
-    _send(method, pid, report)
-    while time.monotonic() < t0 + timeout_s and _alive(pid, marker.get("time")):  # its last write done
+    _send(method, pid, report, marker)
+    while time.monotonic() < t0 + timeout_s and proven(marker)[0]:  # its last write done
         time.sleep(poll_s)
     report["waited_s"] = round(time.monotonic() - t0, 3)
     end = read_node_marker(run_dir) or marker
     report["end"] = end
-    if end.get("status") == "running" and _alive(pid, marker.get("time")):
+    if end.get("status") == "running" and proven(marker)[0]:
         report.update(
             state="timeout",
             ok=False,
@@ -302,11 +346,11 @@ def stop_follower(
             message=f"{where}: its ranks ended ({end.get('status')} at step {end.get('step')}); the final "
             "checkpoint is node 0's",
         )
-    report["process_exited"] = not _alive(pid, marker.get("time"))
+    report["process_exited"] = not proven(marker)[0]
     return report
 
 
-def _send(method: dict[str, Any], pid: int, report: dict[str, Any]) -> None:
+def _send(method: dict[str, Any], pid: int, report: dict[str, Any], record: dict[str, Any]) -> None:
     if method["how"] in ("systemd", "supervisor"):
         # supervisorctl waits for the stop; run it detached and watch the event stream instead
         proc = subprocess.Popen(method["command"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -319,9 +363,30 @@ def _send(method: dict[str, Any], pid: int, report: dict[str, Any]) -> None:
                     f"{report['stop_command']} failed (exit {proc.returncode}): {err.decode()[:300]}"
                 )
         return
-    target = method.get("signal_pid") or pid
-    os.kill(int(target), signal.SIGTERM)
-    report["signalled_pid"] = int(target)
+    target = int(method.get("signal_pid") or pid)
+    # a pidfd pins the process: the proof is checked again on it, so the signal cannot reach a process
+    # that took the pid between the check and the kill
+    fd = None
+    try:
+        fd = os.pidfd_open(target) if hasattr(os, "pidfd_open") else None
+        ours, why = proven(record)
+        if ours and target != pid:  # the torchrun launcher: still the proven rank's parent
+            ours = psutil.Process(pid).ppid() == target
+            why = f"pid {target} is no longer the launcher of pid {pid}"
+        if not ours:
+            report["not_signalled"] = why  # the wait below sees it gone, or times out loudly
+            return
+        if fd is not None:
+            signal.pidfd_send_signal(fd, signal.SIGTERM)
+        else:
+            os.kill(target, signal.SIGTERM)
+    except (ProcessLookupError, psutil.NoSuchProcess):
+        report["not_signalled"] = f"pid {target} exited before it could be signalled"
+        return
+    finally:
+        if fd is not None:
+            os.close(fd)
+    report["signalled_pid"] = target
 
 
 def _with_checkpoint(report: dict[str, Any], run_dir: Path) -> dict[str, Any]:

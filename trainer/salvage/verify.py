@@ -288,13 +288,20 @@ def repairs(set_dir: Path, url: str) -> set[str]:
     import json
 
     from trainer.s3.client import parse_s3_url
+    from trainer.salvage.session import previous_reports
 
-    p = Path(set_dir) / STATE_DIR / "verify.json"
-    try:
-        rep = json.loads(p.read_text())
-    except (OSError, ValueError):
-        return set()
-    if not isinstance(rep, dict) or rep.get("where") != parse_s3_url(url).url() or rep.get("ok"):
+    want = parse_s3_url(url).url()
+    rep = None
+    # this salvage's verify, else the newest earlier salvage's (moved aside when this one began)
+    for p in [Path(set_dir) / STATE_DIR / "verify.json", *previous_reports(Path(set_dir), "verify")]:
+        try:
+            rep = json.loads(p.read_text())
+        except (OSError, ValueError, RecursionError):
+            continue
+        if isinstance(rep, dict) and rep.get("where") == want:
+            break
+        rep = None
+    if rep is None or rep.get("ok"):
         return set()
     out = {str(m).split(" (")[0] for m in rep.get("missing", [])}
     out |= {d.get("path") for d in rep.get("differing", []) if isinstance(d, dict) and d.get("path")}

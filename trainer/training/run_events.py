@@ -5,11 +5,11 @@ ten times that), and `run_end`. The loop hands over figures; the event names and
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
 from trainer import checkpoint as ckpt
+from trainer.salvage.proc import identity
 from trainer.training.budget import BUDGET_ONLY_STEPS
 
 
@@ -71,7 +71,7 @@ class RunEvents:
                 "data": tr.data_totals,
                 **(tr.budget.start_fields() if tr.budget is not None else {}),
             },
-            pid=os.getpid(),
+            **identity(),  # pid, its start ticks and boot id: `salvage stop` proves it is this run
         )
         steps = f"steps {tr.step + 1}..{total}"
         if tr.budget is not None:  # the clock ends it (or max_steps, when sooner)
