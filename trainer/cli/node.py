@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-from trainer.cli.argtypes import above_zero, count, duration, positive
+from trainer.cli.argtypes import above_zero, count, duration, nonnegative, out_file, positive
 from trainer.errors import ExitCode
 
 
@@ -48,15 +48,20 @@ def _s3(args) -> int:
         )
         failed = report.get("failed", [])
     else:
-        report = pull(
-            args.url,
-            Path(args.dir),
-            args.endpoint_url,
-            args.check,
-            args.workers,
-            args.bwlimit_kbps,
-            not args.no_progress,
-        )
+
+        def run(check: bool):
+            return pull(
+                args.url,
+                Path(args.dir),
+                args.endpoint_url,
+                check,
+                args.workers,
+                args.bwlimit_kbps,
+                not args.no_progress,
+                allow_locations=tuple(args.allow_location),
+            )
+
+        report = _with_progress(args, run, args.url)
         text = (
             f"{report['dest']}: {report['files']} files, {report['bytes']} bytes; {report['present']} "
             "already "
@@ -75,19 +80,28 @@ def _s3(args) -> int:
     return ExitCode.OK if report["ok"] else ExitCode.FAILED
 
 
+def _with_progress(args, run, label: str) -> dict:
+    from trainer.progress_file import with_progress
+
+    return with_progress(args.progress_file, Path(args.dir), label, args.check, run)
+
+
 def _hub(args) -> int:
     from trainer.hub import pull
 
-    report = pull(
-        args.spec,
-        Path(args.dir),
-        args.revision,
-        args.token_file,
-        args.endpoint,
-        args.check,
-        args.workers,
-        not args.no_progress,
-    )
+    def run(check: bool):
+        return pull(
+            args.spec,
+            Path(args.dir),
+            args.revision,
+            args.token_file,
+            args.endpoint,
+            check,
+            args.workers,
+            not args.no_progress,
+        )
+
+    report = _with_progress(args, run, args.spec)
     if args.json:
         print(json.dumps({k: v for k, v in report.items() if k != "plan" or args.check}))
     else:
@@ -103,10 +117,8 @@ def _hub(args) -> int:
 
 
 def _manifest_create(args) -> int:
-    from trainer.manifest import ManifestError, cmd_create
+    from trainer.manifest import cmd_create
 
-    if Path(args.output).is_dir():
-        raise ManifestError(f"-o {args.output} is a folder: name the manifest file to write")
     return cmd_create(args)
 
 
@@ -128,12 +140,39 @@ def _read(path: str | None) -> str | None:
 
 
 def _json(text: str, what: str):
+    from trainer.jsonin import loads, reason
     from trainer.layout.gpus import GpuFactsError
 
     try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise GpuFactsError(f"{what}: not JSON: {exc}") from None
+        return loads(text)
+    except ValueError as exc:  # not JSON, nested too deeply, a lone surrogate
+        raise GpuFactsError(f"{what}: not JSON: {reason(exc)}") from None
+
+
+EXPECTED_NUMBERS = ("expected_gpu_count", "expected_gpu_memory_gib")
+
+
+def _expected(text: str) -> dict:
+    """--expected: a JSON object of the group's expected_gpu_* vars, the counts numbers."""
+    from trainer.layout.gpus import GpuFactsError
+
+    expected = _json(text, "--expected")
+    if not isinstance(expected, dict):
+        raise GpuFactsError(
+            f"--expected: a JSON object of expected_gpu_* vars, got {type(expected).__name__} "
+            "(e.g. '{\"expected_gpu_count\": 8}')"
+        )
+    for key in EXPECTED_NUMBERS:
+        v = expected.get(key)
+        ok = v is None or (not isinstance(v, bool) and isinstance(v, int | float) and v == v and abs(v) < 1e6)
+        if isinstance(v, str):  # Ansible renders numbers as text: "8" is fine
+            try:
+                ok = 0 <= float(v) < 1e6
+            except ValueError:
+                ok = False
+        if not ok:
+            raise GpuFactsError(f"--expected: {key} must be a number, got {v!r}")
+    return expected
 
 
 def _gpu_facts(args) -> int:
@@ -143,7 +182,7 @@ def _gpu_facts(args) -> int:
     smi = args.smi_text if args.smi_text is not None else _read(args.smi)
     container = {"yes": True, "no": False}.get(args.container)
     facts = build_facts(query, smi, pci=args.pci_text, container=container)
-    expected = _json(args.expected, "--expected") if args.expected else {}
+    expected = _expected(args.expected) if args.expected else {}
     facts["expected_mismatch"] = check_expected(facts, expected)
     print(json.dumps(facts, indent=1))
     return 0
@@ -248,7 +287,9 @@ def register(sub) -> None:
         help="train.optimizer: muon keeps one momentum per weight-matrix element instead of two moments",
     )
     p.add_argument(
-        "--samples", type=positive, default=902_000, help="training samples (default: the seeds' 902K)"
+        "--samples",
+        type=positive,
+        help="training samples (default: --regenerate-samples when given, else the seeds' 902K)",
     )
     p.add_argument(
         "--mean-tokens", type=above_zero, default=2000, help="mean tokens per sample (default 2000)"
@@ -273,7 +314,22 @@ def register(sub) -> None:
         default=0,
         metavar="N",
         help="samples `dflash regenerate` will write on the node: their dataset (N x --mean-tokens tokens) "
-        "joins the disk table (default 0: none planned)",
+        "joins the disk table, its hours the plan, and training's epochs count them unless --samples "
+        "(default 0: none planned)",
+    )
+    p.add_argument(
+        "--regenerate-concurrency",
+        type=positive,
+        metavar="N",
+        help="requests in flight per vLLM engine while regenerating (regenerate_job_concurrency, default "
+        "16): the regeneration hours scale with it while decoding is memory-bound",
+    )
+    p.add_argument(
+        "--price-per-hour",
+        type=nonnegative,
+        metavar="PRICE",
+        help="what one node costs an hour (any currency): the plan prints regeneration and training "
+        "hours x PRICE x nodes",
     )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_plan)
@@ -301,7 +357,7 @@ def register(sub) -> None:
     v.add_argument(
         "--interfaces",
         metavar="JSON",
-        help="this node's interfaces as Ansible's facts (ansible_facts[IFACE])",
+        help="a JSON list of this node's interfaces as Ansible's facts (ansible_facts[IFACE])",
     )
     v.add_argument("--socket-ifname", default="", help="the interface gloo/NCCL use (default: decided)")
     v.add_argument("--no-ip-filter", action="store_true", help="the unit has no IP filter")
@@ -313,7 +369,7 @@ def register(sub) -> None:
     msub = p.add_subparsers(dest="manifest_cmd", required=True, metavar="ACTION")
     c = msub.add_parser("create", help="hash every file under DIR into MANIFEST (written atomically)")
     c.add_argument("dir", metavar="DIR")
-    c.add_argument("-o", "--output", required=True, metavar="MANIFEST")
+    c.add_argument("-o", "--output", required=True, type=out_file, metavar="MANIFEST")
     c.add_argument(
         "--reuse",
         action="store_true",
@@ -352,6 +408,14 @@ def register(sub) -> None:
     down.add_argument(
         "--bwlimit-kbps", type=count, default=0, help="bandwidth cap in KiB/s (default 0: none)"
     )
+    down.add_argument(
+        "--allow-location",
+        action="append",
+        default=[],
+        metavar="s3://BUCKET/PREFIX",
+        help="the manifest may send reads there too (a salvage set pushed with --reference keeps files "
+        "in earlier sets); without it, only the prefix's own objects are read",
+    )
     for q, workers in ((up, 8), (down, 4)):
         q.add_argument(
             "--endpoint-url", help="S3 endpoint (default: AWS); credentials: the AWS_* variables or profile"
@@ -361,6 +425,10 @@ def register(sub) -> None:
             "--workers", type=positive, default=workers, help=f"parallel transfers (default {workers})"
         )
         q.add_argument("--no-progress", action="store_true", help="no byte progress on stderr")
+        if q is down:
+            q.add_argument(
+                "--progress-file", type=Path, help="write bytes, rate and ETA there (`dflash progress`)"
+            )
         q.add_argument("--json", action="store_true", help="one JSON report on stdout")
         q.set_defaults(func=_s3)
 
@@ -381,6 +449,7 @@ def register(sub) -> None:
     h.add_argument("--check", action="store_true", help="say what would move, move nothing")
     h.add_argument("--workers", type=positive, default=4, help="parallel downloads (default 4)")
     h.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
+    h.add_argument("--progress-file", type=Path, help="write bytes, rate and ETA there (`dflash progress`)")
     h.add_argument("--json", action="store_true", help="one JSON report on stdout")
     h.set_defaults(func=_hub)
 

@@ -85,7 +85,19 @@ def cmd_status(args) -> int:
         interval=args.interval,
         as_json=args.json,
         thresholds=_thresholds(args),
+        wait_s=args.wait,
+        wait_step=args.wait_step,
     )
+
+
+def cmd_progress(args) -> int:
+    import json
+
+    from trainer.progress_file import read, wait
+
+    state = wait(args.file, args.wait, args.interval) if args.wait else read(args.file)
+    print(json.dumps(state) if args.json else state["line"])
+    return 0
 
 
 def register(sub) -> None:
@@ -115,5 +127,25 @@ def register(sub) -> None:
     p.add_argument("--watch", action="store_true", help="redraw every --interval seconds until Ctrl-C")
     p.add_argument("--interval", type=seconds, default=2.0)
     p.add_argument("--json", action="store_true", help="the same facts as /api/status, as JSON")
+    p.add_argument(
+        "--wait",
+        type=nonnegative,
+        default=0.0,
+        help="with --json: answer when the run ends (or reaches --wait-step), or after this many seconds",
+    )
+    p.add_argument(
+        "--wait-step", type=above_zero, help="with --wait: answer once the run's step reaches this"
+    )
     _alert_args(p)
     p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser(
+        "progress", help="a long step's progress file (bytes, rate, ETA), as `dflash hub pull` writes it"
+    )
+    p.add_argument("file", type=Path, help="the file (--progress-file of the step)")
+    p.add_argument(
+        "--wait", type=nonnegative, default=0.0, help="answer when the step ends, or after this many seconds"
+    )
+    p.add_argument("--interval", type=seconds, default=2.0, help="how often --wait reads the file")
+    p.add_argument("--json", action="store_true", help="the whole state as JSON (with its `line`)")
+    p.set_defaults(func=cmd_progress)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import signal
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -176,6 +177,8 @@ def status(
     as_json: bool = False,
     console: Console | None = None,
     thresholds: Thresholds | None = None,
+    wait_s: float = 0.0,
+    wait_step: int | None = None,
 ) -> int:
     hub = Hub(Path(run_dir), thresholds)
     hub.refresh()
@@ -191,6 +194,15 @@ def status(
 
     if as_json:
         snap, _ = current()
+        # --wait: answer when the run ends (or reaches --wait-step), else after wait_s; a role's poll
+        # loop prints one line per answer (roles/regenerate_job/tasks/wait.yml)
+        deadline = time.monotonic() + wait_s
+        while not snap["finished"] and (wait_step is None or (snap["step"] or 0) < wait_step):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            time.sleep(min(interval, left))
+            snap, _ = current()
         print(dumps(snap).decode())
         return 0
     if not watch:
