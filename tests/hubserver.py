@@ -189,6 +189,20 @@ def _handler(hub: HubStandIn):
                 if self.command == "GET":
                     self.wfile.write(body)
                 return
+            # the tree listing (`hf download REPO FILE...` and snapshot_download list it): one page, all files
+            m = re.fullmatch(r"/api/(models|datasets)/(.+?)/tree/([^/]+)(/.*)?", path)
+            if m:
+                found = self._repo_rev(m[2] if m[1] == "models" else f"datasets/{m[2]}", m[3])
+                if found is None:
+                    return
+                tree = []
+                for rel, data in found[1].items():
+                    s = hub.sibling(rel, data)
+                    entry = {"type": "file", "oid": s["blobId"], "size": s["size"], "path": rel}
+                    if "lfs" in s:
+                        entry["lfs"] = {"oid": s["lfs"]["sha256"], "size": s["size"], "pointerSize": 134}
+                    tree.append(entry)
+                return self._json(tree)
             m = re.fullmatch(r"/(.+?)/resolve/([^/]+)/(.+)", path)
             if not m:
                 return self._err(404, "EntryNotFound", f"no route {path}")

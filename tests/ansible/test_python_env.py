@@ -23,7 +23,7 @@ def test_python_env_installs_the_trainer_from_the_wheel_cache(
     inv = bed.inventory(tmp_path / "inv.yml")
     ev = {"test_role": "python_env", **provision_vars}
     host, venv = bed.hosts["node-a"], bed.hosts["node-a"].root / "venv"
-    # a second real run changes nothing: the journey proves it for all of train.yml (test_rented_node.py)
+    # a second real run changes nothing: the journey proves it for all of train.yml (test_runbook_page.py)
     # --check tells the truth: nothing to do now; after a source change, exactly the sync (and the
     # install, which a command cannot dry-run: reported as skipped)
     check = runner.run(ROLE, inv, limit="node-a", extravars=ev, check=True)

@@ -4,7 +4,7 @@ stops only the trainer (final checkpoint verified), collects, fetches the set to
 against its manifest), pushes it from the controller to a real S3 server (Ceph radosgw on the
 controller's 127.0.0.1, which the host's network namespace cannot reach), verifies by read-back and
 writes NOTES.md; a second run changes nothing; the credentials appear in no output. Pushing from the node
-(salvage_push_from: node, the default) is the rented-node journey's salvage (test_rented_node.py)."""
+(salvage_push_from: node, the default) is the rented-node journey's salvage (test_runbook_page.py)."""
 
 from __future__ import annotations
 

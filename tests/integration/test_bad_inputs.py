@@ -1,8 +1,17 @@
 """Every bad input is a clear refusal: each case runs `dflash` as a real subprocess and must exit with
-its code (2: refused before any work), print a message naming the cause, and show no traceback
-(issue #33: 14 tracebacks and 6 silent acceptances in 53 tries).
+its code (2: refused before any work; 1: a fault that is not bad input, such as an unreachable Hub),
+print one line naming the cause, show no traceback and leave nothing on disk (issue #33: 14 tracebacks
+and 6 silent acceptances in 53 tries; issue #48: 17 more).
 
-The same cases are the table "Bad inputs and what dflash says" in docs/troubleshooting.md: a test keeps
+Two tables: CASES, picked by hand, and GENERATED, made by walking the `dflash` parser: every argument
+of every verb that takes a number gets `nan` and `inf`; every JSON or JSON-lines input (found by its
+help or metavar saying JSON, or a MANIFEST) gets `[` * 100000, the wrong shape (a list) and, for prompt
+lines, a lone surrogate; every file `--out` (type `out_file`) gets an existing folder; every Hub
+`--endpoint` a closed port and a non-URL. A new argument of these kinds is covered without a new line
+here. The generated cases run as subprocesses in one thread pool (a module fixture), so the whole set
+costs a few seconds of wall time; each still asserts its own result.
+
+The cases are the table "Bad inputs and what dflash says" in docs/troubleshooting.md: a test keeps
 the page equal to `render_table()`; `DFLASH_WRITE_DOCS=1 pytest tests/integration/test_bad_inputs.py`
 rewrites it after a case is added or a message changes. Only cheap cases (each well under 2 s)."""
 
@@ -34,6 +43,15 @@ class Case:
     code: int = 2
     pipe: str = ""  # a command stdout is piped into (`true`: the reader is gone at once)
     s3: bool = False  # against the moto S3 server ({s3} in args: its endpoint), run in this process
+    env: tuple[tuple[str, str | None], ...] = ()  # environment changes (None: unset)
+    names: str = ""  # a word the one line must hold besides `message` (the file or option at fault)
+    untouched: str = ""  # a folder the case names that must stay empty (nothing written, no temp file)
+    one_line: bool = False  # stderr is exactly one line (the generated cases)
+    in_process: bool = False  # refused by argparse: run through `main(argv)` here (no subprocess)
+
+
+def _id(c: Case) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", c.input.lower()).strip("-")
 
 
 CASES = [
@@ -248,7 +266,7 @@ CASES = [
     Case("manifest not JSON", "manifest verify adir notjson.json", "manifest notjson.json is not valid JSON"),
     Case("manifest a JSON list", "manifest verify adir list.json", "manifest list.json:"),
     Case("manifest missing", "manifest verify adir nope.json", "manifest nope.json does not exist"),
-    Case("`manifest create -o` a folder", "manifest create adir -o adir", "-o adir is a folder"),
+    Case("`manifest create -o` a folder", "manifest create adir -o adir", "-o/--output: adir is a folder"),
     Case("manifest of a missing folder", "manifest create nope -o m.json", "nope is not a folder"),
     Case(
         "S3 manifest not JSON",
@@ -293,8 +311,211 @@ CASES = [
     ),
     Case("GPU facts not JSON", "gpu decide --facts notjson.json", "notjson.json: not JSON"),
     Case("`demo --steps 0`", "demo --steps 0", "--steps: must be at least 1, got 0"),
+    # issue #48
+    Case(
+        "`demo --out` a folder that is not a demo's",
+        "demo --tiny --prepare-only --out causal",
+        "is not empty and not a demo's folder",
+    ),
+    Case(
+        "`serve-target --host 0.0.0.0` (no --allow-remote)",
+        "serve-target --config good.yaml --host 0.0.0.0 --print-command",
+        "--host 0.0.0.0: refusing a non-loopback address",
+    ),
+    Case(
+        "`export --push-to-hub` with the Hub unreachable (`HF_ENDPOINT` a closed port)",
+        "export --checkpoint ck --out export --push-to-hub me/drafter --token-file hub.token",
+        "the Hub at http://127.0.0.1:9 did not answer: ConnectError",
+        code=1,
+        env=(("HF_HUB_OFFLINE", None), ("HF_ENDPOINT", "http://127.0.0.1:9")),
+        one_line=True,
+    ),
+    Case(
+        "`export --push-to-hub` with `HF_ENDPOINT` not a URL",
+        "export --checkpoint ck --out export --push-to-hub me/drafter --token-file hub.token",
+        "HF_ENDPOINT 'nohost': expected http(s)://HOST[:PORT]",
+        env=(("HF_HUB_OFFLINE", None), ("HF_ENDPOINT", "nohost")),
+        one_line=True,
+    ),
     Case("`eval --limit 0`", "eval --limit 0", "--limit: must be at least 1, got 0"),
 ]
+
+
+# ---------------------------------------------------------------- the cases generated from the parser
+
+DEEP = "DEEP_JSON"  # in args: `[` * 100000 as one argument (run_case puts it there)
+NUMBER_TYPES = {
+    "positive",
+    "count",
+    "port",
+    "chunk_mib",
+    "seconds",
+    "nonnegative",
+    "above_zero",
+    "int",
+    "_checks",
+}
+# the context a verb needs to reach the argument under test ({arg}: where it goes); default "{arg}"
+CONTEXT = {
+    "eval": "--drafter adir --target causal --out r.json {arg}",
+    "regenerate": f"--target {QWEN.parent} --out regen {{arg}}",
+    "prompts": "listrow.jsonl --format prompt {arg}",
+    "prompts input": "{arg} --format prompt --out p.jsonl",
+    "plan": f"--target-config {QWEN} {{arg}}",
+    "plan --target-config": "--gpu H200 --gpu-count 8 {arg}",
+    "manifest verify": "adir {arg}",
+    "service sandbox": "--facts-json {{}} {arg}",
+    "service sandbox --facts": "{arg}",
+    "service sandbox --facts-json": "{arg}",
+    "salvage verify": "--s3 s3://bucket-x/p {arg}",
+    "capture": "--config good.yaml {arg}",
+    "init": "--target causal --data d {arg}",
+    "hub pull": "hf://nobody/model hub-dest {arg}",
+}
+# `--out`-like arguments that name a folder (not a file): the existing-folder case does not apply
+FOLDER_OUTS = {
+    "demo --out",  # the demo's own folder (refused when not a demo's: a hand case)
+    "export --out",  # a new folder (must not exist)
+    "regenerate --out",  # a datasets.save_to_disk folder
+    "salvage inventory --out",
+    "salvage stop --out",
+    "salvage collect --out",
+    "salvage verify --out",
+    "salvage all --out",
+    "init --out-dir",
+}
+
+
+def _arguments():
+    """(verb words, action) for every argument of every `dflash` verb."""
+    import argparse
+
+    from trainer.cli import build_parser
+
+    def walk(parser, words):
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if subs:
+            for name, sp in subs[0].choices.items():
+                yield from walk(sp, [*words, name])
+            return
+        for a in parser._actions:
+            if not isinstance(a, argparse._HelpAction):
+                yield " ".join(words), a
+
+    return list(walk(build_parser(), []))
+
+
+def _name(action) -> str:
+    return action.option_strings[-1] if action.option_strings else action.dest
+
+
+def _json_input(action) -> str:
+    """'file' or 'text' when the argument reads JSON (its help or metavar says so), else '' (a flag such
+    as --json, or a file it writes)."""
+    help_, metavar = (action.help or ""), str(action.metavar or "")
+    if action.nargs == 0 or getattr(action.type, "__name__", "") == "out_file":
+        return ""
+    if metavar == "JSON" or help_.startswith("JSON of"):
+        return "text"
+    if "JSON" in help_ or "JSON" in metavar or metavar == "MANIFEST":
+        return "file"
+    if metavar == "FILE" and "config.json" in help_:  # plan --target-config (not a model name or folder)
+        return "file"
+    return ""
+
+
+def _argv(verb: str, action, value: str) -> str:
+    arg = f"{_name(action)} {value}" if action.option_strings else value
+    context = CONTEXT.get(f"{verb} {_name(action)}", CONTEXT.get(verb, "{arg}"))
+    return f"{verb} {context.format(arg=arg)}"
+
+
+def generated_cases() -> list[Case]:
+    cases = []
+    for verb, a in _arguments():
+        name, kind = _name(a), getattr(a.type, "__name__", "")
+        where = f"`{verb} {name}`"
+        if kind in NUMBER_TYPES and a.option_strings:
+            for bad in ("nan", "inf"):
+                cases.append(
+                    Case(
+                        f"{where} {bad}",
+                        _argv(verb, a, bad),
+                        f"argument {'/'.join(a.option_strings)}",
+                        names=bad,
+                        one_line=True,
+                        in_process=True,
+                    )
+                )
+        json_kind = _json_input(a)
+        if json_kind:
+            prompts = "JSON lines" in (a.help or "")
+            deep, shape = ("deep.jsonl", "listrow.jsonl") if prompts else ("deep.json", "list.json")
+            if json_kind == "text":  # the wrong shape: a list, or an object where a list is wanted
+                deep, shape = DEEP, ('{"a":1}' if "JSON list" in (a.help or "") else "[1,2]")
+
+            def said(f: str, name: str = name, text: bool = json_kind == "text") -> str:
+                return name if text else f"{f}|{name}"  # the file, or the option that named it
+
+            cases.append(
+                Case(
+                    f"{where} nested 100000 deep",
+                    _argv(verb, a, deep),
+                    "nested too deeply",
+                    names=said(deep),
+                    one_line=True,
+                )
+            )
+            cases.append(
+                Case(f"{where} a JSON list", _argv(verb, a, shape), "", names=said(shape), one_line=True)
+            )
+            if prompts:
+                cases.append(
+                    Case(
+                        f"{where} a lone surrogate (`\\ud800`)",
+                        _argv(verb, a, "surrogate.jsonl"),
+                        "a lone surrogate \\ud800",
+                        names="surrogate.jsonl",
+                        one_line=True,
+                    )
+                )
+        if kind == "out_file":
+            cases.append(
+                Case(
+                    f"{where} an existing folder",
+                    _argv(verb, a, "emptydir"),
+                    f"argument {'/'.join(a.option_strings)}: emptydir is a folder",
+                    untouched="emptydir",
+                    one_line=True,
+                    in_process=True,
+                )
+            )
+        if a.dest == "endpoint":  # the Hub's (S3's is --endpoint-url)
+            off = (("HF_HUB_OFFLINE", None),)
+            cases.append(
+                Case(
+                    f"{where} a closed port (the Hub unreachable)",
+                    _argv(verb, a, "http://127.0.0.1:9"),
+                    "did not answer: ConnectError",
+                    code=1,
+                    env=off,
+                    names="http://127.0.0.1:9",
+                    one_line=True,
+                )
+            )
+            cases.append(
+                Case(
+                    f"{where} not a URL",
+                    _argv(verb, a, "nohost"),
+                    "expected http(s)://HOST[:PORT]",
+                    env=off,
+                    one_line=True,
+                )
+            )
+    return cases
+
+
+GENERATED = generated_cases()
 
 
 def scratch(d: Path) -> None:
@@ -312,6 +533,16 @@ def scratch(d: Path) -> None:
     (d / "afile").write_text("x\n")
     (d / "binary.dat").write_bytes(b"\xff\xfe\x00garbage")
     (d / "adir").mkdir()
+    (d / "emptydir").mkdir()
+    (d / "deep.json").write_text("[" * 100_000)
+    (d / "deep.jsonl").write_text("[" * 100_000 + "\n")
+    (d / "listrow.jsonl").write_text("[1, 2]\n")
+    (d / "surrogate.jsonl").write_text('{"prompt": "\\ud800 hello"}\n')
+    (d / "ck").mkdir()
+    (d / "export").mkdir()
+    export_info = {"source": str((d / "ck").resolve()), "verifier": "org/target", "block_size": 8}
+    (d / "export" / "dflash_export.json").write_text(json.dumps(export_info))
+    (d / "hub.token").write_text("hf_" + "x" * 30 + "\n")
     shape = {"hidden_size": 64, "num_attention_heads": 4, "vocab_size": 512, "eos_token_id": 2}
     for name, conf in (
         ("bert", {"architectures": ["BertModel"], "num_hidden_layers": 2, **shape}),
@@ -376,8 +607,14 @@ def run_in_process(case: Case, cwd: Path, endpoint: str, monkeypatch, capsys) ->
 
 
 def run_case(case: Case, cwd: Path) -> subprocess.CompletedProcess:
-    argv = [sys.executable, "-m", "trainer.cli", *shlex.split(case.args)]
+    words = [("[" * 100_000 if w == DEEP else w) for w in shlex.split(case.args)]
+    argv = [sys.executable, "-m", "trainer.cli", *words]
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "COLUMNS": "200"}
+    for key, value in case.env:
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
     if case.pipe:  # the first command's status, as `set -o pipefail` would see it
         script = f"{shlex.join(argv)} | {case.pipe}; exit ${{PIPESTATUS[0]}}"
         return subprocess.run(
@@ -386,9 +623,7 @@ def run_case(case: Case, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=30)
 
 
-@pytest.mark.parametrize(
-    "case", CASES, ids=[re.sub(r"[^a-z0-9]+", "-", c.input.lower()).strip("-") for c in CASES]
-)
+@pytest.mark.parametrize("case", CASES, ids=[_id(c) for c in CASES])
 def test_bad_input_is_a_clear_refusal(case, workdir, request, monkeypatch, capsys):
     if case.s3:
         endpoint = request.getfixturevalue("s3_server").endpoint_url
@@ -408,9 +643,101 @@ def test_bad_input_is_a_clear_refusal(case, workdir, request, monkeypatch, capsy
     elif case.code == 2:
         assert f"dflash {case.args.split()[0]}" in res.stderr  # the verb names itself
     assert took < 5, f"{took:.1f} s: a bad-input case must stay cheap"
+    check_one_line_and_nothing_left(case, res, workdir)
 
 
-def render_table(cases: list[Case] = CASES) -> str:
+def check_one_line_and_nothing_left(case: Case, res, cwd: Path) -> None:
+    if case.one_line:
+        lines = res.stderr.strip().splitlines()
+        assert len(lines) == 1, res.stderr[-3000:]
+        assert lines[0].startswith(f"dflash {case.args.split()[0]}"), lines
+    if case.names:  # the file or option at fault (`A|B`: either)
+        assert any(n in res.stderr for n in case.names.split("|")), res.stderr[-2000:]
+    if case.untouched:
+        assert list((cwd / case.untouched).iterdir()) == [], f"{case.untouched} was written into"
+    left = [p.name for p in cwd.iterdir() if p.name.endswith((".tmp", ".part")) or ".tmp." in p.name]
+    assert not left, f"temp files left: {left}"
+
+
+@pytest.fixture(scope="module")
+def generated_results(workdir):
+    """Every generated case, run as a subprocess, four at a time: {case: (result, seconds)}."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(case):
+        t0 = time.monotonic()
+        res = run_case(case, workdir)
+        return case, (res, time.monotonic() - t0)
+
+    t0 = time.monotonic()
+    results = {c: (parse_in_process(c, workdir), 0.0) for c in GENERATED if c.in_process}
+    with ThreadPoolExecutor(4) as pool:
+        results.update(pool.map(one, [c for c in GENERATED if not c.in_process]))
+    took = time.monotonic() - t0
+    inside = sum(c.in_process for c in GENERATED)
+    print(f"\n{len(GENERATED)} generated cases ({inside} in process) in {took:.1f} s")
+    return results
+
+
+def parse_in_process(case: Case, cwd: Path) -> subprocess.CompletedProcess:
+    """A case argparse refuses, through `trainer.cli.main` in this process: the same stderr and exit
+    code as the subprocess, without its ~0.3 s start (no handler runs: nothing to leak between cases)."""
+    import contextlib
+    import io
+
+    from trainer.cli import main
+
+    err, out = io.StringIO(), io.StringIO()
+    here = os.getcwd()
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+            try:
+                code = main(shlex.split(case.args))
+            except SystemExit as exc:
+                code = exc.code
+    finally:
+        os.chdir(here)
+    return subprocess.CompletedProcess(case.args, code, out.getvalue(), err.getvalue())
+
+
+@pytest.mark.parametrize("case", GENERATED, ids=[_id(c) for c in GENERATED])
+def test_generated_bad_input_is_one_clear_line(case, generated_results, workdir):
+    res, took = generated_results[case]
+    said = res.stderr + res.stdout
+    assert "Traceback" not in said, res.stderr[-3000:]
+    assert res.returncode == case.code, (res.returncode, res.stderr[-2000:])
+    assert case.message in res.stderr, res.stderr[-2000:]
+    check_one_line_and_nothing_left(case, res, workdir)
+    assert took < 10, f"{took:.1f} s (four at a time): a bad-input case must stay cheap"
+
+
+def test_the_walk_finds_every_kind_of_argument():
+    """The generator is not vacuous: it found the numbers, the JSON inputs, the file outs and the Hub
+    endpoint of the verbs this issue names, and every `--out`-like argument is a file out (refused as
+    a folder by argparse) or a folder out on purpose."""
+    made = {c.args.split(" DEEP_JSON")[0] for c in GENERATED}
+    for needle in (
+        "gpu facts --expected",
+        "plan --target-config",
+        "gpu decide --facts",
+        "manifest verify adir",
+        "hub pull hf://nobody/model hub-dest --endpoint",
+        "capture --config good.yaml --out emptydir",
+        "prompts listrow.jsonl --format prompt --out emptydir",
+        "prompts surrogate.jsonl",
+        "eval --drafter adir --target causal --out r.json --prompts surrogate.jsonl",
+        "monitor --stall-factor nan",
+    ):
+        assert any(needle in m for m in made), needle
+    for verb, a in _arguments():
+        name = _name(a)
+        if name in ("--out", "-o", "--output", "--report", "--out-dir"):
+            kind = getattr(a.type, "__name__", "")
+            assert kind == "out_file" or f"{verb} {name}" in FOLDER_OUTS, f"{verb} {name}: type {kind}"
+
+
+def render_table(cases: list[Case] = CASES + GENERATED) -> str:
     """The docs table: input, exit code, what dflash says."""
 
     def code(text: str) -> str:
@@ -418,7 +745,12 @@ def render_table(cases: list[Case] = CASES) -> str:
 
     rows = ["| input | exit | dflash says |", "| --- | --- | --- |"]
     for c in cases:
-        said = code(c.message) if c.message else "nothing (stdout closed: quiet)"
+        if c.message:
+            said = code(c.message)
+        elif c.names:
+            said = f"one line naming {code(c.names)}"
+        else:
+            said = "nothing (stdout closed: quiet)"
         rows.append(f"| {c.input} | {c.code} | {said} |")
     return "\n".join([START, *rows, END])
 

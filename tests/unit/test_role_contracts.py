@@ -36,16 +36,16 @@ def role_files(role: str, *suffixes: str) -> list[Path]:
 # container), each with a second run that changes nothing. One proof per behaviour: the roles' molecule
 # scenarios repeated these runs on the same hosts and were removed (docs/provision.md, "Testing a role").
 ROLE_PROOFS = {
-    "gpu_facts": ("test_recon.py", "test_rented_node.py"),
-    "prerequisites": ("test_rented_node.py",),
-    "nvidia_driver": ("test_rented_node.py",),
-    "cuda_toolkit": ("test_rented_node.py",),
-    "python_env": ("test_python_env.py", "test_rented_node.py"),  # and the systemd_host fixture
+    "gpu_facts": ("test_recon.py", "test_runbook_page.py"),
+    "prerequisites": ("test_runbook_page.py",),
+    "nvidia_driver": ("test_runbook_page.py",),
+    "cuda_toolkit": ("test_runbook_page.py",),
+    "python_env": ("test_python_env.py", "test_runbook_page.py"),  # and the systemd_host fixture
     "data_sync": ("test_data_sync.py", "test_data_sync_hub.py"),
-    "trainer_service": ("test_trainer_service.py", "test_systemd_host.py", "test_rented_node.py"),
-    "monitor": ("test_rented_node.py", "test_regenerate_playbook.py"),
-    "salvage": ("test_salvage_role.py", "test_rented_node.py", "test_train_nodes_playbook.py"),
-    "regenerate_job": ("test_regenerate_playbook.py",),
+    "trainer_service": ("test_trainer_service.py", "test_systemd_host.py", "test_runbook_page.py"),
+    "monitor": ("test_runbook_page.py",),
+    "salvage": ("test_salvage_role.py", "test_runbook_page.py", "test_train_nodes_playbook.py"),
+    "regenerate_job": ("test_runbook_page.py",),
 }
 
 
@@ -88,6 +88,10 @@ def roles_run_by(test: Path) -> set[str]:
         found |= _roles_of_playbook(REPO / "playbooks" / book)
     for role in re.findall(r'"test_role": "(\w+)"', text):
         found |= _roles_of_role(role, set())
+    if "runbook_page" in text:  # the page is the test: the playbooks its commands run
+        page = (REPO / "docs" / "node-to-drafter.md").read_text()
+        for book in re.findall(r"ansible-playbook playbooks/(\w+\.yml)", page):
+            found |= _roles_of_playbook(REPO / "playbooks" / book)
     return found
 
 
