@@ -613,9 +613,14 @@ def test_reference_instead_of_sending_again(tmp_path, finished_run, moto):
         "--endpoint-url",
         moto.endpoint_url,
         "--no-load-checkpoints",
+        "--allow-location",  # no --out SET: the push's report is not there to say what it referenced
+        "s3://salvage/ref-a",
         check_rc=0,
     )
     assert "1/1 datasets pass the data gate" in res.stdout
+    # with --out the set's own push report names the references: nothing to allow by hand
+    ref_b = ["--s3", "s3://salvage/ref-b", "--endpoint-url", moto.endpoint_url]
+    dflash("verify", *ref_b, "--out", tmp_path / "b", "--no-load-checkpoints", check_rc=0)
 
 
 def test_bad_input_is_refused_before_any_work(tmp_path, finished_run):

@@ -286,3 +286,31 @@ def test_salvage_all_to_a_refused_address_after_a_good_salvage_cannot_go(tmp_pat
     old_verify = json.loads((kept / "verify.json").read_text())
     assert old_verify["ok"] and old_verify["where"] == url
     assert json.loads(dflash("notes", set_dir, "--json", check_rc=1).stdout)["node_can_go"] is False
+
+
+def test_verify_reads_outside_the_sets_prefix_only_where_this_salvages_push_referenced(
+    tmp_path,
+    finished_run,  # noqa: F811
+    moto,
+):
+    """Whoever can write the bucket deletes an object of the set and points S3's manifest (`locations`)
+    at a copy under another prefix. Before: verify read the copy there and certified the set ("the node
+    can go" with the object gone from its own prefix). Now only the addresses this salvage's own push
+    referenced (its report, `--reference`) are read outside the prefix; any other is an error."""
+    url, set_dir = "s3://salvage/hijack", tmp_path / "set"
+    dflash("stop", "--run-dir", finished_run, "--out", set_dir, check_rc=0)
+    dflash("collect", "--run-dir", finished_run, "--out", set_dir, check_rc=0)
+    _push(set_dir, url, moto.endpoint_url)
+    _verify(set_dir, url, moto.endpoint_url, rc=0)
+    s3c = client(moto.endpoint_url)
+    rel = f"run/checkpoints/{read_latest(finished_run).name}/config.json"
+    s3c.copy_object(
+        Bucket="salvage", Key=f"elsewhere/{rel}", CopySource={"Bucket": "salvage", "Key": f"hijack/{rel}"}
+    )
+    s3c.delete_object(Bucket="salvage", Key=f"hijack/{rel}")
+    manifest = json.loads(s3c.get_object(Bucket="salvage", Key="hijack/MANIFEST.json")["Body"].read())
+    manifest["locations"] = {rel: f"s3://salvage/elsewhere/{rel}"}
+    s3c.put_object(Bucket="salvage", Key="hijack/MANIFEST.json", Body=json.dumps(manifest).encode())
+    head = _verify(set_dir, url, moto.endpoint_url, rc=1).split("\n\n")[0]
+    assert rel in head and "outside s3://salvage/hijack" in head, head
+    assert "the node can go" not in dflash("notes", set_dir, check_rc=1).stdout

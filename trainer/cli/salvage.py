@@ -206,6 +206,7 @@ def cmd_verify(args) -> int:
 
 
 def _verify(args) -> dict[str, Any]:
+    from trainer.salvage.session import pushed_references
     from trainer.salvage.verify import verify_local, verify_s3
 
     if args.s3:
@@ -230,6 +231,8 @@ def _verify(args) -> dict[str, Any]:
             data_gate=args.data_gate,
             load_checkpoints=not args.no_load_checkpoints,
             local_manifest=local,
+            referenced=pushed_references(args.out),
+            allow=args.allow_location,
         )
     else:
         rep = verify_local(
@@ -413,6 +416,14 @@ def register(sub) -> None:
         type=Path,
         help="the collected salvage set: S3 must hold exactly its MANIFEST.json's files (with --s3); "
         "the report is recorded in SET/.salvage/",
+    )
+    p.add_argument(
+        "--allow-location",
+        action="append",
+        default=[],
+        metavar="S3_PREFIX",
+        help="read S3 manifest locations under this prefix too (a set pushed with --reference; with --out "
+        "the references of this salvage's own push are allowed already)",
     )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_verify)

@@ -122,7 +122,8 @@ def check_entries(
         )
 
 
-def _under(ref: s3lib.S3Location, allowed: s3lib.S3Location) -> bool:
+def within(ref: s3lib.S3Location, allowed: s3lib.S3Location) -> bool:
+    """`ref` lies in `allowed`'s bucket, under its prefix by whole path parts."""
     return ref.bucket == allowed.bucket and (
         not allowed.prefix or ref.prefix == allowed.prefix or ref.prefix.startswith(allowed.prefix + "/")
     )
@@ -146,7 +147,7 @@ def check_locations(
             continue
         if not ref.prefix:
             bad.append(f"{rel!r} -> {url!r} names a bucket, not an object")
-        elif _under(ref, loc) or any(_under(ref, a) for a in allow):
+        elif within(ref, loc) or any(within(ref, a) for a in allow):
             out[rel] = url
         else:
             bad.append(f"{rel!r} -> {url}")

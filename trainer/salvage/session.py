@@ -123,3 +123,20 @@ def s3_name(url: str) -> str:
         return parse_s3_url(url).url()
     except S3Error:
         return url
+
+
+def pushed_references(set_dir: Path | None) -> dict[str, str]:
+    """What this salvage's own push referenced in earlier sets (rel -> s3:// URL), from its report: the
+    only reads outside the set's prefix verify makes."""
+    from trainer.salvage.notes import load_steps
+
+    if set_dir is None:
+        return {}
+    push = load_steps(Path(set_dir)).get("push") or {}
+    if push.get("salvage_id") != current_id(set_dir):  # an earlier salvage's push (None: no salvage open)
+        return {}
+    return {
+        r["path"]: r["location"]
+        for r in push.get("referenced", [])
+        if isinstance(r, dict) and isinstance(r.get("path"), str) and isinstance(r.get("location"), str)
+    }

@@ -157,15 +157,22 @@ def verify_s3(
     load_checkpoints: bool = True,
     client=None,
     local_manifest: dict[str, Any] | None = None,
+    referenced: dict[str, str] | None = None,
+    allow: list[str] | tuple = (),
 ) -> dict[str, Any]:
     """Read every object back. With `local_manifest` (the collected set's, which `--out SET` names),
     that manifest is the authority: each of its files must be in S3 with its size and sha256, and S3's
     manifest must describe the same set (same content digest); without it, S3 is only compared with
-    its own manifest (the report says so)."""
+    its own manifest (the report says so). A read S3's manifest sends outside the set's prefix (a
+    `locations` entry) is made only where `referenced` (rel -> s3:// URL: what this salvage's own push
+    referenced, from its report) names exactly that address, or under a prefix in `allow` (the user's
+    `--allow-location`); any other such entry is an error."""
     from trainer.manifest import ManifestError, content_digest, inside
     from trainer.s3 import client as s3
+    from trainer.s3.pullsafe import within
 
     loc = s3.parse_s3_url(url)
+    allowed = [s3.parse_s3_url(a) for a in allow]
     if data_gate not in ("fail", "warn"):
         raise SalvageError(f"--data-gate {data_gate!r}: fail or warn")
     client = client or s3.make_client(endpoint_url, max_pool=max(16, workers * 2))
@@ -207,6 +214,22 @@ def verify_s3(
             save = inside(tmp_root, rel) if load and needs_load(rel, authority) else None
         except (ManifestError, s3.S3Error) as exc:
             return rel, "error", f"refused: {exc}"
+        if (
+            where is not None
+            and not within(where, loc)
+            and not any(within(where, a) for a in allowed)
+            and (referenced or {}).get(rel) != locations[rel]
+        ):
+            # whoever can write the bucket must not make verify read a copy elsewhere and certify it
+            return (
+                rel,
+                "error",
+                (
+                    f"refused: S3's manifest sends this read to {locations[rel]}, outside {loc.url()}, "
+                    "and this salvage's push did not reference it there (--allow-location PREFIX if you "
+                    "trust it)"
+                ),
+            )
         bucket, key = (where.bucket, where.prefix) if where else (loc.bucket, loc.key(rel))
         try:
             digest, size, meta = s3.read_back(client, bucket, key, save)
