@@ -542,3 +542,16 @@ def test_a_driver_install_is_followed_by_a_second_probe():
         {"role": "gpu_facts"},
         {"role": "nvidia_driver"},
     ]
+
+
+def test_an_s3_items_allow_locations_reach_dflash_s3_pull():
+    """A salvage set pushed with --reference is pulled by the role only with the item's allow_locations
+    (`dflash s3 pull` refuses reads outside the set's prefix otherwise)."""
+    item = {"name": "ds", "src": "s3://b/set", "dest": "/opt/x", "direction": "s3",
+            "allow_locations": ["s3://b/earlier", "s3://c/other"]}  # fmt: skip
+    args = render_role_var("data_sync", "data_sync_allow_location_args", {"data_sync_item": item})
+    assert args == ["--allow-location=s3://b/earlier", "--allow-location=s3://c/other"]
+    item.pop("allow_locations")
+    assert render_role_var("data_sync", "data_sync_allow_location_args", {"data_sync_item": item}) == []
+    task = (ROLES / "data_sync" / "tasks" / "s3.yml").read_text()
+    assert "+ data_sync_allow_location_args" in task
