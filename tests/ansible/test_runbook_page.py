@@ -28,10 +28,9 @@ Along the way (what test_rented_node.py and test_regenerate_playbook.py proved, 
   relative src: the repository root's), vLLM regenerates under supervisord, the dataset goes to S3 at the
   hand-off, the monitor shows the regeneration; a second run changes nothing;
 - uv without pip and without a wheel cache: the controller downloads the wheel for the node's machine;
-- train.yml with the run config as `-e @run.yml`: preflight refuses the container's 64 MiB /dev/shm
-  before any service starts; with more, the dataset is pulled from S3 into data.path, the trainer (its
-  own user, PYTORCH_CUDA_ALLOC_CONF) and the monitor run under supervisord, the monitor answers on the
-  node's 127.0.0.1; a second run changes nothing;
+- train.yml with the run config as `-e @run.yml` (the hand-off said before provisioning): the dataset is
+  pulled from S3 into data.path, the trainer (its own user, PYTORCH_CUDA_ALLOC_CONF) and the monitor run
+  under supervisord, the monitor answers on the node's 127.0.0.1; a second run changes nothing;
 - salvage.yml (--check, then for real): a final checkpoint, the run in radosgw, NOTES.md, no credentials
   left on the node, "the node can go"; a second salvage changes nothing;
 - `dflash export ... --vllm-check` on the node: vLLM loads the export beside the target and drafts; the
@@ -304,20 +303,13 @@ def test_the_runbook_page_from_a_model_name_to_a_served_drafter(
         assert list((tmp_path / "uv-wheels").glob("uv-*manylinux_2_17_x86_64*.whl"))
         assert host.ssh(bed, "/opt/uv-alone/uv-*.data/scripts/uv --version").stdout.startswith("uv ")
 
-        # 6: train.yml with the run config as -e @run.yml. With the runtime's 64 MiB /dev/shm preflight
-        # refuses before any service starts (vLLM's engine queues need more); the hand-off is said first
-        shm("64m")
-        refused = sh(train_cmd)
-        assert not refused.ok()
-        said = refused.failures()
-        assert "dflash preflight refused" in said and "[machine.shm_too_small] /dev/shm has" in said, said
-        assert "(fix: start the node's container with a larger /dev/shm (docker/podman run --shm-size" in said
-        assert not host.ssh(bed, "pgrep -f 'dflash train'", check=False).stdout
-        takes = refused.task_results("Say what the run takes", "rented")[0]["msg"]
-        assert takes == ["data_sync items: target, dataset", f"data.path: {ROOT}/dataset"], takes
-        shm("1g")
+        # 6: train.yml with the run config as -e @run.yml (the hooked source: no vLLM server, so the 64 MiB
+        # /dev/shm refusal is the systemd journey's, tests/ansible/test_systemd_host.py); the hand-off is
+        # said before provisioning
         train = sh(train_cmd)
         assert train.ok(), train.failures()
+        takes = train.task_results("Say what the run takes", "rented")[0]["msg"]
+        assert takes == ["data_sync items: target, dataset", f"data.path: {ROOT}/dataset"], takes
         progs = wait_for(
             lambda: (
                 re.search(

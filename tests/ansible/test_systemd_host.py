@@ -54,9 +54,10 @@ def test_the_hardened_unit_runs_the_vllm_source_restarts_after_kill_9_and_resume
 
 
 def journey(bed, host, provision_vars, engine_wheel_cache, runner, tmp_path):
-    # podman's default /dev/shm (64 MiB) cannot hold vLLM's engine queues (preflight says so: the rented-node
-    # journey proves that refusal); this node gets a larger one
-    testbed._podman("exec", "--privileged", host.container, "mount", "-o", "remount,size=1g", "/dev/shm")
+    def shm(size: str) -> None:
+        remount = ["mount", "-o", f"remount,size={size}", "/dev/shm"]
+        testbed._podman("exec", "--privileged", host.container, *remount)
+
     # NVIDIA device nodes with the driver's numbers (/dev/nvidia0 = 195:0, nvidiactl 195:255) and no driver
     # behind them: recon finds them, so the role renders the GPU node's device policy into the unit
     host.ssh(bed, "mknod -m 666 /dev/nvidia0 c 195 0; mknod -m 666 /dev/nvidiactl c 195 255; true")
@@ -74,6 +75,15 @@ def journey(bed, host, provision_vars, engine_wheel_cache, runner, tmp_path):
         **provision_vars,
         "python_env_wheel_cache": str(engine_wheel_cache),
     }
+    # a container runtime's default /dev/shm (64 MiB) cannot hold vLLM's engine queues: preflight refuses
+    # before the unit starts, naming the fix; with more (the provider's setting) the run goes on
+    shm("64m")
+    refused = runner.run(ROLE, inv, limit="sysd", extravars=ev)
+    said = "\n".join(str(f) for f in refused.failures())
+    assert not refused.ok() and "[machine.shm_too_small] /dev/shm has" in said, said
+    assert "(fix: start the node's container with a larger /dev/shm (docker/podman run --shm-size" in said
+    assert prop(bed, host, "ActiveState") in ("inactive", ""), "no unit may start on a refused node"
+    shm("1g")
     first = runner.run(ROLE, inv, limit="sysd", extravars=ev)
     assert first.ok(), "\n".join(str(f) for f in first.failures())
     # the secret: in a root-only file the unit names, not in the unit (systemctl show), nor the play's output
