@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -33,3 +38,55 @@ def ddp_unsharded_run(tiny_target, tiny_data, tmp_path_factory) -> Path:
     res = run_torchrun(cfg_file(root, tiny_target, tiny_data, name="run", shard="none", **COMMON))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return root / "run"
+
+
+# ------------------------------------------------- `dflash` verbs in this process (imports paid once)
+def dflash_here(*args) -> subprocess.CompletedProcess:
+    """`dflash ARGS` in this process, output captured like a subprocess's: on one torch thread (what
+    OMP_NUM_THREADS=1 gives a subprocess; two threads on 2 busy cores slow each other) and with this
+    process's environment and thread count as they were before. A `dflash train` subprocess spends
+    ~8-12 CPU-s importing torch, transformers and speculators before its first step; here they are
+    imported once per pytest process. Only where the test is not about a process (a kill, a signal,
+    torchrun, an exit code of a real process)."""
+    import torch
+
+    from trainer.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    before, env = torch.get_num_threads(), dict(os.environ)
+    torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"  # for the verb's own children (the trainer's τ evaluations)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main([str(a) for a in args])
+            except SystemExit as exc:  # argparse's refusals
+                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    finally:
+        torch.set_num_threads(before)
+        os.environ.clear()
+        os.environ.update(env)  # the trainer sets RANK; a child of a later test must not inherit it
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
+@contextlib.contextmanager
+def cli_in_process():
+    """Within the block, `subprocess.run([sys.executable, "-m", "trainer.cli", ...])` (a helper that
+    trains in a subprocess: tests/conftest.py's train_tiny_drafter) runs the verb in this process
+    (`dflash_here`) instead; any other command, and any the verb itself starts, runs for real."""
+    real = subprocess.run
+
+    def run(cmd, *args, **kwargs):
+        if list(cmd[:3]) != [sys.executable, "-m", "trainer.cli"]:
+            return real(cmd, *args, **kwargs)
+        subprocess.run = real  # the verb's own subprocesses are real ones
+        try:
+            return dflash_here(*cmd[3:])
+        finally:
+            subprocess.run = run
+
+    subprocess.run = run
+    try:
+        yield
+    finally:
+        subprocess.run = real

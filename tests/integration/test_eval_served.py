@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import tiny_prompts, train_tiny_drafter
+from tests.integration.conftest import cli_in_process
 from trainer.eval.prompts import write_prompt_file
 
 DFLASH = [sys.executable, "-m", "trainer.cli"]
@@ -54,7 +55,8 @@ def served_run(served_target, tmp_path_factory) -> Path:
 
     root = tmp_path_factory.mktemp("served")
     data = greedy_dataset(served_target, tiny_prompts(48), 56, root / "ds")
-    return train_tiny_drafter(served_target, data, root, [1, 3], drafter={"draft_vocab_size": 128})
+    with cli_in_process():  # the same `dflash train`, in this process: its imports paid once
+        return train_tiny_drafter(served_target, data, root, [1, 3], drafter={"draft_vocab_size": 128})
 
 
 def test_vllm_counts_the_harness_tau_and_a_causally_served_export_is_caught(

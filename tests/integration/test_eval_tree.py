@@ -6,11 +6,13 @@ generations (the cached tree loop equals a tree loop that recomputes everything 
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import tiny_prompts
+from tests.conftest import tiny_prompts, train_tiny_drafter
+from tests.integration.conftest import cli_in_process
 from trainer.checkpoint import read_latest
 from trainer.eval.harness import CachedDrafter, accepted_count, speculate, target_greedy
 from trainer.eval.models import HookedTarget, aux_ids_of, load_drafter
@@ -20,6 +22,15 @@ pytestmark = pytest.mark.slow
 
 STOP = {2}  # the tiny target's eos
 CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def trained_drafter(tiny_target, tiny_data, tmp_path_factory) -> Path:
+    """tests/conftest.py's `trained_drafter` (the same `dflash train` run: train_tiny_drafter, aux ids
+    [1, 2]) trained in this process: no other test of the served lane (scripts/test) uses it, and a
+    subprocess would import torch, transformers and speculators again (~10 CPU-s)."""
+    with cli_in_process():
+        return train_tiny_drafter(tiny_target, tiny_data, tmp_path_factory.mktemp("trained-drafter"), [1, 2])
 
 
 @pytest.fixture(scope="module")

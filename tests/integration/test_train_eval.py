@@ -15,7 +15,8 @@ import subprocess
 
 import pytest
 
-from tests.integration.test_train import ENV, cfg_file, events_of, run_train
+from tests.integration.conftest import dflash_here as train_here
+from tests.integration.test_train import cfg_file, events_of
 from tests.integration.trackers_readback import REPORT_TO, assert_each_tracker_holds
 from trainer.checkpoint import list_checkpoints
 from trainer.events import load_events
@@ -41,8 +42,9 @@ def test_tau_events_at_the_cadence_equal_dflash_eval_and_reach_every_tracker(
     extra = {"report_to": REPORT_TO, "eval": {**EVAL, "holdout": 3}}
     cfg.write_text(cfg.read_text() + "".join(f"{k}: {json.dumps(v)}\n" for k, v in extra.items()))
     for var in ("MLFLOW_TRACKING_URI", "TRACKIO_DIR", "TRACKIO_SPACE_ID", "WANDB_MODE"):
-        monkeypatch.delitem(ENV, var, raising=False)  # the trackers' defaults: stores inside out_dir
-    res = run_train(cfg)
+        monkeypatch.delenv(var, raising=False)  # the trackers' defaults: stores inside out_dir
+    # in this process (the trackers' readers below import the same libraries: paid once)
+    res = train_here("train", "--config", cfg)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     out = tmp_path / "run"
     prompts = out / "eval" / "holdout.jsonl"  # the held-out samples' prompts (tests/unit/test_eval_holdout)

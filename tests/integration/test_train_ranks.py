@@ -20,7 +20,8 @@ import torch
 from safetensors.torch import load_file
 
 from tests.conftest import wait_for
-from tests.integration.test_train import ENV, cfg_file, events_of, final_weights, run_train
+from tests.integration.conftest import dflash_here
+from tests.integration.test_train import ENV, cfg_file, events_of, final_weights
 from trainer.checkpoint import read_latest
 
 pytestmark = pytest.mark.slow
@@ -49,7 +50,7 @@ def test_two_process_gloo_ddp_keeps_ranks_identical_and_equals_one_process_accum
         ("chunked", {"loss_chunk_rows": 7}),
     ):
         one = cfg_file(tmp_path, tiny_target, tiny_data, name=name, **extra, **COMMON)
-        r = run_train(one)
+        r = dflash_here("train", "--config", one)  # one process: this one (its imports paid once)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     acc_steps = events_of(tmp_path / "accum", "step")
     assert [s["batch_tokens"] for s in acc_steps] == [s["batch_tokens"] for s in steps]
@@ -86,6 +87,20 @@ def run_torchrun(cfg: Path, timeout=400, module: str = "trainer.cli") -> subproc
             "--config",
             str(cfg),
         ],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def run_torchrun_several(cfgs: list[Path], *extra: str, timeout=900) -> subprocess.CompletedProcess:
+    """`dflash train` of each config in turn in one 2-rank torchrun start (tests/integration/several_runs.py:
+    the same rank processes and gloo group), `extra` its own options (--muon-on-shards OUT)."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    return subprocess.run(
+        [*torchrun, "-m", "tests.integration.several_runs", *map(str, cfgs), *extra],
         env=ENV,
         capture_output=True,
         text=True,
@@ -176,7 +191,10 @@ def test_fsdp_trains_like_ddp_resumes_exactly_after_kill_9_and_reloads_in_specul
     ends where the DDP run ends (one format). The restart turns activation checkpointing on: the weights
     are bit-identical still (the recompute is the same arithmetic)."""
     fsdp = cfg_file(tmp_path, tiny_target, tiny_data, name="fsdp", shard="full", **COMMON)
-    res = run_torchrun(fsdp)
+    # one torchrun start trains it and then resumes the DDP run's step-3 checkpoint under FSDP (below)
+    cross = only_checkpoint(ddp_unsharded_run, tmp_path / "cross")
+    cross_cfg = cfg_file(tmp_path, tiny_target, tiny_data, name="cross", shard="full", **COMMON)
+    res = run_torchrun_several([fsdp, cross_cfg])
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     out = tmp_path / "fsdp"
     start = events_of(out, "run_start")[0]
@@ -213,9 +231,6 @@ def test_fsdp_trains_like_ddp_resumes_exactly_after_kill_9_and_reloads_in_specul
     assert moved > 1e-3, "steps 4-6 changed the weights (the comparison is not between two idle runs)"
 
     # one checkpoint format whatever the level: the DDP run's step-3 checkpoint resumed under FSDP
-    cross = only_checkpoint(ddp_unsharded_run, tmp_path / "cross")
-    res = run_torchrun(cfg_file(tmp_path, tiny_target, tiny_data, name="cross", shard="full", **COMMON))
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert events_of(cross, "run_start")[-1]["resumed_from"] == "step-00000003"
     x = final_weights(cross)
     for k in b:
@@ -283,10 +298,16 @@ def test_muon_over_two_ranks_is_the_same_update_at_every_shard_level_and_resumes
     recipe = {"optimizer": "muon", "position_weights": "dpace", **COMMON}
     drafter = {"draft_vocab_size": 96}
     runs = {}
-    for shard in ("none", "optimizer", "full"):
-        cfg = cfg_file(tmp_path, tiny_target, tiny_data, name=shard, drafter=drafter, shard=shard, **recipe)
-        res = run_torchrun(cfg)
-        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    levels = ("none", "optimizer", "full")
+    cfgs = [
+        cfg_file(tmp_path, tiny_target, tiny_data, name=shard, drafter=drafter, shard=shard, **recipe)
+        for shard in levels
+    ]
+    # the three runs, then the one-step check on FSDP shards, in one torchrun start (several_runs.py)
+    one = tmp_path / "one-step.json"
+    res = run_torchrun_several(cfgs, "--muon-on-shards", one)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    for shard in levels:
         runs[shard] = final_weights(tmp_path / shard)
         layout = events_of(tmp_path / shard, "run_start")[0]["layout"]
         assert "Muon+AdamW" in layout["optimizer"] and layout["shard"] == shard
@@ -298,17 +319,6 @@ def test_muon_over_two_ranks_is_the_same_update_at_every_shard_level_and_resumes
         if v.dtype.is_floating_point:
             rel = float((runs["full"][k] - v).norm() / v.norm())
             assert rel < 1e-2, f"full: {k} differs from DDP's by {rel:.2e}"
-    one = tmp_path / "one-step.json"
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    res = subprocess.run(
-        [*torchrun, "-m", "tests.integration.muon_on_shards", str(one)],
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     diffs = json.loads(one.read_text())
     print(f"Muon on FSDP shards vs the whole matrix, one step: {diffs}")
     assert diffs["12x16"] == 0.0 and diffs["16x12"] < 0.05, "orthogonalized per shard would be ~0.5"
