@@ -44,8 +44,9 @@ def cmd_inventory(args) -> int:
 
 def cmd_stop(args) -> int:
     from trainer.salvage.inventory import render_table, take_inventory
-    from trainer.salvage.stop import stop_others, stop_trainer
+    from trainer.salvage.stop import check_stop_input, stop_others, stop_trainer
 
+    check_stop_input(args.run_dir, args.timeout)  # a refusal begins no salvage and writes nothing
     if args.out is not None and not args.check:
         # the stop starts a salvage of the set: a new id, the earlier salvage's reports moved aside
         from trainer.salvage.session import begin

@@ -103,7 +103,8 @@ def recorded(set_dir: Path | None, step: str, check: bool, **fields: Any):
     try:
         yield
     except Exception as exc:
-        if set_dir is not None and not check and Path(set_dir).is_dir():
+        # only in a salvage set (its state folder made by stop or collect): never in a folder that is none
+        if set_dir is not None and not check and (Path(set_dir) / STATE_DIR).is_dir():
             from trainer.errors import DflashError
 
             if isinstance(exc, DflashError):  # bad input or a precondition: exit 2

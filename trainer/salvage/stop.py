@@ -155,6 +155,18 @@ def proven(record: dict[str, Any]) -> tuple[bool, str]:
     return True, ""
 
 
+def check_stop_input(run_dir: Path, timeout_s: float) -> None:
+    """Refuse (SalvageError, exit 2) a folder that holds no run, or a non-positive timeout: before a
+    salvage begins or anything is written."""
+    if not (Path(run_dir) / "events.jsonl").is_file() and read_node_marker(Path(run_dir)) is None:
+        raise SalvageError(
+            f"{run_dir}/events.jsonl (or a multi-node run's node.json) does not exist: not a dflash run "
+            "folder (pass its out_dir)"
+        )
+    if timeout_s <= 0:
+        raise SalvageError(f"--timeout {timeout_s}: must be positive")
+
+
 def _gone(pid: Any) -> bool:
     return not isinstance(pid, int) or start_ticks(pid) is None
 
@@ -164,13 +176,7 @@ def stop_trainer(
 ) -> dict[str, Any]:
     """Stop the run writing `run_dir`; returns the stop report (`ok` false on any doubt)."""
     run_dir = Path(run_dir)
-    if not (run_dir / "events.jsonl").is_file() and read_node_marker(run_dir) is None:
-        raise SalvageError(
-            f"{run_dir}/events.jsonl (or a multi-node run's node.json) does not exist: not a dflash run "
-            "folder (pass its out_dir)"
-        )
-    if timeout_s <= 0:
-        raise SalvageError(f"--timeout {timeout_s}: must be positive")
+    check_stop_input(run_dir, timeout_s)
     st = run_state(run_dir)
     start, end = st["start"], st["end"]
     report: dict[str, Any] = {"run_dir": str(run_dir.resolve()), "check": check, "timeout_s": timeout_s}
