@@ -53,7 +53,7 @@ def test_hub_to_host_through_the_role(bed, provisioned, runner, standin, tmp_pat
     }
     dry = runner.run(ROLE, inv, limit="node-a", extravars=ev, check=True)
     assert dry.ok() and dry.changed("node-a") == 1 and not dest.exists(), dry
-    with SecretWatch(host.pid, TOKEN, verb=" hub pull ") as watch:
+    with SecretWatch(host.pid, TOKEN, verb=" hub pull ", mark=str(dest)) as watch:
         first = runner.run(ROLE, inv, limit="node-a", extravars=ev)
     assert first.ok(), first
     assert watch.pulls_seen > 0 and not watch.leaks, (watch.pulls_seen, watch.leaks[:5])
