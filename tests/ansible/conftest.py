@@ -1,6 +1,7 @@
 """Fixtures for the Ansible tests: real sshd hosts in network namespaces (testbed.py), a controller wheel
-cache (scripts/wheel-cache) and a helper that runs a playbook through ansible-runner and returns its
-per-host stats and events."""
+cache (scripts/wheel-cache), a helper that runs a playbook through ansible-runner and returns its
+per-host stats and events, and plain subprocess runs of the venv's ansible commands on this machine
+(ansible_cli, local_play)."""
 
 from __future__ import annotations
 
@@ -57,6 +58,42 @@ def repo_snapshot(tmp_path_factory):
     for name in ("pyproject.toml", "README.md"):
         shutil.copy2(REPO / name, dest / name)
     return dest
+
+
+def local_env(**extra: str) -> dict[str, str]:
+    """The environment an ansible command of the venv runs in on this machine: the venv's bin first on PATH
+    (the modules call `dflash`) and the repository's ansible.cfg, plus `extra`."""
+    return {
+        **os.environ,
+        "PATH": f"{VENV_BIN}:{os.environ['PATH']}",
+        "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
+        **extra,
+    }
+
+
+def ansible_cli(
+    tool: str, *args: str, env: dict | None = None, input: str | None = None, timeout: int = 120
+) -> subprocess.CompletedProcess:
+    """One run of the venv's `tool` (ansible-playbook, ansible-inventory, ansible) in the repository root,
+    output captured as text, never raising on a non-zero exit; `env` adds to local_env()."""
+    return subprocess.run(
+        [str(VENV_BIN / tool), *args],
+        cwd=REPO,
+        env=local_env(**(env or {})),
+        input=input,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=timeout,
+    )
+
+
+def local_play(playbook: str | Path, *extra: str, **kw) -> subprocess.CompletedProcess:
+    """ansible-playbook of `playbook` on this machine alone (inventory `localhost,`, connection local, this
+    venv's Python), without ansible-runner: `extra` goes before the playbook (-e ..., --check); `kw` as
+    ansible_cli ("/dev/stdin" with input= plays a book given as text)."""
+    local = ("-i", "localhost,", "-c", "local", "-e", f"ansible_python_interpreter={sys.executable}")
+    return ansible_cli("ansible-playbook", *local, *extra, str(playbook), **kw)
 
 
 class Runner:

@@ -8,11 +8,9 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-BIN = Path(sys.executable).parent
+from tests.ansible.conftest import REPO, ansible_cli
 
 PRIVATE = """
 all:
@@ -37,25 +35,19 @@ def inventory_copy(tmp_path: Path) -> Path:
     return inv
 
 
-def run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [str(BIN / args[0]), *args[1:]], cwd=REPO, capture_output=True, text=True, check=False, timeout=120
-    )
-
-
 def test_a_private_files_vars_are_picked_up_and_a_pcie_a100_is_one_var(tmp_path):
     inv = inventory_copy(tmp_path)
-    r = run("ansible-inventory", "-i", str(inv), "--host", "my-a100")
+    r = ansible_cli("ansible-inventory", "-i", str(inv), "--host", "my-a100")
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout)
     assert (got["ansible_host"], got["ansible_port"], got["ansible_user"]) == ("192.0.2.10", 14085, "root")
     assert got["a100_form_factor"] == "pcie", "a group var of the private file, unset in group_vars/"
     assert got["expected_gpu_memory_gib"] == 79, "a host var of the private file beats group_vars/a100.yml"
     assert got["expected_gpu_count"] == 8, "group_vars/a100.yml beats the private file's group vars"
-    r = run("ansible-inventory", "-i", str(inv), "--graph", "a100")
+    r = ansible_cli("ansible-inventory", "-i", str(inv), "--graph", "a100")
     assert "my-a100" in r.stdout
     # what recon compares the node with, templated as a play sees it (debug runs on the controller)
-    r = run(
+    r = ansible_cli(
         "ansible", "-i", str(inv), "my-a100", "-m", "ansible.builtin.debug", "-a", "var=expected_gpu_model"
     )
     assert r.returncode == 0, r.stdout + r.stderr
@@ -63,7 +55,7 @@ def test_a_private_files_vars_are_picked_up_and_a_pcie_a100_is_one_var(tmp_path)
     (inv / "nodes.private.yml").write_text(
         PRIVATE.replace("a100_form_factor: pcie", "a100_form_factor: sxm4")
     )
-    r = run(
+    r = ansible_cli(
         "ansible", "-i", str(inv), "my-a100", "-m", "ansible.builtin.debug", "-a", "var=expected_gpu_model"
     )
     assert "expected_gpu_model: NVIDIA A100-SXM4-40GB" in r.stdout, r.stdout

@@ -2,31 +2,19 @@
 `-l` or on the controller unless asked for, before any task reaches a host; and `-l GROUP` reaches only
 the user's own hosts (the repository's inventory holds no example host in a real group)."""
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import yaml
 
-from tests.ansible.conftest import REPO
+from tests.ansible.conftest import REPO, ansible_cli
 
-BIN = Path(sys.executable).parent
-ENV = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "ANSIBLE_CONFIG": str(REPO / "ansible.cfg")}
 GPU_GROUPS = ("a100", "pro6000", "b200", "h100", "h100_1", "h200", "h200_1", "cpu")
 GUARD = "Refuse to salvage every host or the controller unless asked for"
 
 
 def play(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [str(BIN / "ansible-playbook"), "playbooks/salvage.yml", *args],
-        cwd=REPO,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=timeout,
-    )
+    return ansible_cli("ansible-playbook", "playbooks/salvage.yml", *args, timeout=timeout)
 
 
 def tasks_run(out: str) -> list[str]:
@@ -89,15 +77,7 @@ def test_a_group_of_the_repository_inventory_holds_no_example_host():
     """The README's `-l a100` reaches the user's hosts only: every GPU group of inventory/ is empty until
     the user's own *.private.yml puts a node in it; `local` holds this machine alone."""
     for group in GPU_GROUPS:
-        r = subprocess.run(
-            [str(BIN / "ansible-inventory"), "-i", str(REPO / "inventory"), "--graph", group],
-            cwd=REPO,
-            env=ENV,
-            capture_output=True,
-            text=True,
-            check=False,
-            timeout=120,
-        )
+        r = ansible_cli("ansible-inventory", "-i", str(REPO / "inventory"), "--graph", group)
         assert r.returncode == 0, r.stderr[-2000:]
         hosts = [line.strip(" |-") for line in r.stdout.splitlines() if not line.strip(" |-").startswith("@")]
         assert hosts == ([] if group != "cpu" else ["localhost"]), (group, r.stdout)

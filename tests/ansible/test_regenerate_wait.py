@@ -14,10 +14,8 @@ from pathlib import Path
 
 import yaml
 
-from tests.ansible.conftest import REPO
+from tests.ansible.conftest import REPO, VENV_BIN, local_play
 
-BIN = Path(sys.executable).parent
-ENV = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "ANSIBLE_CONFIG": str(REPO / "ansible.cfg")}
 STALL_S = 8
 EVERY_S = 3
 
@@ -44,7 +42,9 @@ WRITER = textwrap.dedent(
 )
 
 
-def wait_play(tmp_path: Path, **overrides) -> tuple[subprocess.CompletedProcess, float]:
+def wait_play(tmp_path: Path, batches: int, landed: int, gap: float, **overrides) -> tuple[int, str, float]:
+    """The role's wait while a writer lands `landed` of `batches` batches `gap` s apart (then stays alive,
+    quiet, unless all landed): the play's exit status, its output and how long it took."""
     run_dir = tmp_path / "run"
     run_dir.mkdir(exist_ok=True)
     play = [
@@ -52,7 +52,7 @@ def wait_play(tmp_path: Path, **overrides) -> tuple[subprocess.CompletedProcess,
             "hosts": "all",
             "gather_facts": False,
             "vars": {
-                "regenerate_job_venv": str(BIN.parent),
+                "regenerate_job_venv": str(VENV_BIN.parent),
                 "regenerate_job_dir": str(tmp_path),
                 "regenerate_job_run_dir": str(run_dir),
                 "regenerate_job_wait": "completed",
@@ -71,26 +71,14 @@ def wait_play(tmp_path: Path, **overrides) -> tuple[subprocess.CompletedProcess,
         }
     ]
     (tmp_path / "wait.yml").write_text(yaml.safe_dump(play))
+    proc = writer(tmp_path, batches, landed, gap)
     t0 = time.monotonic()
-    r = subprocess.run(
-        [
-            str(BIN / "ansible-playbook"),
-            "-i",
-            "localhost,",
-            "-c",
-            "local",
-            "-e",
-            f"ansible_python_interpreter={sys.executable}",
-            str(tmp_path / "wait.yml"),
-        ],
-        cwd=REPO,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=240,
-    )
-    return r, time.monotonic() - t0
+    try:
+        r = local_play(tmp_path / "wait.yml", timeout=240)
+    finally:
+        proc.kill()
+        proc.wait()
+    return r.returncode, r.stdout + r.stderr, time.monotonic() - t0
 
 
 def writer(tmp_path: Path, batches: int, landed: int, gap: float) -> subprocess.Popen:
@@ -107,14 +95,8 @@ def progress_lines(out: str) -> list[str]:
 
 
 def test_a_job_that_keeps_landing_batches_is_waited_for_past_the_stall_limit_with_progress(tmp_path):
-    proc = writer(tmp_path, batches=5, landed=5, gap=3.5)  # 17.5 s of batches, > STALL_S
-    try:
-        r, took = wait_play(tmp_path)
-    finally:
-        proc.kill()
-        proc.wait()
-    out = r.stdout + r.stderr
-    assert r.returncode == 0, out[-3000:]
+    rc, out, took = wait_play(tmp_path, batches=5, landed=5, gap=3.5)  # 17.5 s of batches, > STALL_S
+    assert rc == 0, out[-3000:]
     assert took > STALL_S * 1.5, took
     lines = progress_lines(out)
     assert len(lines) >= 2, out[-3000:]  # lines along the way, not one at the end
@@ -125,14 +107,8 @@ def test_a_job_that_keeps_landing_batches_is_waited_for_past_the_stall_limit_wit
 
 
 def test_a_job_whose_batches_stop_fails_the_play_in_about_the_stall_limit(tmp_path):
-    proc = writer(tmp_path, batches=6, landed=2, gap=1.0)
-    try:
-        r, took = wait_play(tmp_path)
-    finally:
-        proc.kill()
-        proc.wait()
-    out = r.stdout + r.stderr
-    assert r.returncode != 0, out[-3000:]
+    rc, out, took = wait_play(tmp_path, batches=6, landed=2, gap=1.0)
+    assert rc != 0, out[-3000:]
     quiet = re.search(r"no batch for (\d+) s", out)
     assert quiet and STALL_S <= int(quiet.group(1)) <= STALL_S + 2 * EVERY_S, out[
         -3000:
@@ -146,35 +122,22 @@ def test_a_job_whose_batches_stop_fails_the_play_in_about_the_stall_limit(tmp_pa
 def test_first_batch_returns_when_it_lands_not_at_the_next_line(tmp_path):
     """`dflash status --wait` answers as soon as the first batch lands (--wait-step 1) or the run ends:
     the play does not sit out the rest of a progress interval."""
-    proc = writer(tmp_path, batches=6, landed=2, gap=15.0)
-    try:
-        r, took = wait_play(tmp_path, regenerate_job_wait="first_batch", regenerate_job_progress_every_s=60)
-    finally:
-        proc.kill()
-        proc.wait()
-    out = r.stdout + r.stderr
-    assert r.returncode == 0, out[-3000:]
+    rc, out, took = wait_play(
+        tmp_path, 6, 2, 15.0, regenerate_job_wait="first_batch", regenerate_job_progress_every_s=60
+    )
+    assert rc == 0, out[-3000:]
     lines = progress_lines(out)
     assert len(lines) == 1 and "running: batch 1/6" in lines[0], out[-3000:]
     assert took < 30, took  # the first batch at 15 s, the second at 30 s, the next line at 60 s
 
 
 def test_the_old_fixed_wait_is_refused_by_name():
-    r = subprocess.run(
-        [
-            str(BIN / "ansible-playbook"),
-            "-i",
-            "localhost,",
-            "-c",
-            "local",
-            "-e",
-            f"ansible_python_interpreter={sys.executable}",
-            "-e",
-            "regenerate_job_wait_s=3600",
-            "-e",
-            "regenerate_job_target=/t regenerate_job_prompts=/p",
-            "/dev/stdin",
-        ],
+    r = local_play(
+        "/dev/stdin",
+        "-e",
+        "regenerate_job_wait_s=3600",
+        "-e",
+        "regenerate_job_target=/t regenerate_job_prompts=/p",
         input=yaml.safe_dump(
             [
                 {
@@ -184,12 +147,6 @@ def test_the_old_fixed_wait_is_refused_by_name():
                 }
             ]
         ),
-        cwd=REPO,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=120,
     )
     out = r.stdout + r.stderr
     assert r.returncode != 0 and "regenerate_job_wait_s is gone" in out and "regenerate_job_stall_s" in out, (

@@ -24,6 +24,7 @@ HEAVY = ("torch", "transformers", "speculators", "datasets", "boto3")
 LIGHT = (
     "trainer.cli",
     "trainer.cli.evaluate",
+    "trainer.cli.gpu",
     "trainer.cli.node",
     "trainer.cli.run",
     "trainer.cli.salvage",
@@ -114,6 +115,7 @@ BARE = (
     "trainer.layout.sizing",
     "trainer.layout.split",
     "trainer.cli.node",
+    "trainer.cli.gpu",
 )
 
 

@@ -1,10 +1,10 @@
 """`dflash <verb>`: the only way roles and people drive the package.
 
 The verbs are registered here, one module per area: `run` (preflight, train, config, summary, demo),
-`evaluate` (eval, export, regenerate), `watch` (monitor, status), `node` (plan, gpu, manifest, s3) and
-`salvage`. Each area module defines only arguments and handlers; a handler imports its implementation
-when it runs, so `dflash --help` and the light verbs start fast on a node whose GPU is busy (no
-torch/transformers/speculators import).
+`evaluate` (eval, export, regenerate), `watch` (monitor, status), `node` (plan, service, manifest, s3,
+hub), `gpu` (facts, decide) and `salvage`. Each area module defines only arguments and handlers; a
+handler imports its implementation when it runs, so `dflash --help` and the light verbs start fast on a
+node whose GPU is busy (no torch/transformers/speculators import).
 
 A handler returns an `ExitCode` (or an int). An input error is a `DflashError` carrying its own exit
 code: caught once, in `main`, printed as `dflash VERB: MESSAGE`.
@@ -16,11 +16,11 @@ import argparse
 import os
 import sys
 
-from trainer.cli import evaluate, node, run, salvage, watch
+from trainer.cli import evaluate, gpu, node, run, salvage, watch
 from trainer.errors import DflashError, ExitCode
 from trainer.redact import redact_text
 
-AREAS = (run, evaluate, watch, node, salvage)
+AREAS = (run, evaluate, watch, node, gpu, salvage)
 S3_LIBRARIES = ("botocore", "boto3", "s3transfer", "urllib3")
 
 
