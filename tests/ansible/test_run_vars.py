@@ -5,7 +5,9 @@
   Now the dataset is pulled from S3 beside the user's own item, and the play says the data.path the role
   will read (trainer_service_config, rendered from the role's own vars);
 - a relative controller folder in an item (`src: ./prompts`) is the repository root's (dflash_repo), where
-  the page's commands run, never playbooks/ (rsync's `change_dir ... failed`).
+  the page's commands run, never playbooks/ (rsync's `change_dir ... failed`);
+- the demo paths (train_prepare_demo, regenerate_prepare_demo) set_fact a user's name: the user's own
+  run config, target or prompts beside them is refused before provisioning, however it is passed.
 
 `ansible-playbook playbooks/train.yml --tags data` on localhost (ansible_connection local) does only the
 data step: the hand-off, the prerequisites and data_sync; S3 is moto's server."""
@@ -129,3 +131,66 @@ def test_the_role_reads_the_hand_off_over_the_run_config():
         {**values, "trainer_service_data_path": "/opt/dflash/dataset"},
     )
     assert plan["data"] == {"path": "/opt/dflash/dataset"} and plan["out_dir"] == "/opt/dflash/runs/main/out"
+
+
+# The demo paths set_fact a user's name (train.yml: trainer_service_run_config; regenerate.yml:
+# regenerate_job_target and regenerate_job_prompts): an extra var would silently beat the demo's, and the
+# demo's a host or group var. Each form the user may pass is refused in the first play, before provisioning
+# (`--tags always`: only the input checks run, nothing is provisioned here).
+DEMO_CLASHES = {
+    "train": ("train_prepare_demo", {"trainer_service_run_config": {"target": {"path": "/t"}}}),
+    "regenerate": (
+        "regenerate_prepare_demo",
+        {"regenerate_job_target": "/t", "regenerate_job_prompts": "/p"},
+    ),
+}
+
+
+def inputs_play(
+    tmp_path: Path, playbook: str, form: str, demo: bool, mine: dict
+) -> subprocess.CompletedProcess:
+    """`ansible-playbook playbooks/PLAYBOOK.yml --tags always` on localhost with the demo switched on (as the
+    cpu and local groups do) or off, and the user's vars passed as `form`: -e @FILE, host vars, group vars."""
+    switch = DEMO_CLASHES[playbook][0]
+    host = {
+        "ansible_connection": "local",
+        "ansible_python_interpreter": str(VENV_BIN / "python"),
+        "dflash_repo": str(REPO),  # the roles' argument specs (run with --tags always) read these two
+        "dflash_root": str(tmp_path / "node"),
+    }
+    group: dict = {switch: demo}
+    extra: list[str] = []
+    if form == "extra":
+        (tmp_path / "mine.yml").write_text(yaml.safe_dump(mine))
+        extra = ["-e", f"@{tmp_path / 'mine.yml'}"]
+    elif form == "host":
+        host.update(mine)
+    else:
+        group.update(mine)
+    inv = tmp_path / "inv.yml"
+    inv.write_text(yaml.safe_dump({"all": {"children": {"cpu": {"hosts": {"ctl": host}, "vars": group}}}}))
+    return play([f"playbooks/{playbook}.yml", "-i", str(inv), "--tags", "always", *extra], cwd=REPO)
+
+
+@pytest.mark.parametrize("form", ["extra", "host", "group"])
+@pytest.mark.parametrize("playbook", ["train", "regenerate"])
+def test_the_demo_refuses_your_own_vars_before_provisioning(tmp_path, playbook, form):
+    switch, mine = DEMO_CLASHES[playbook]
+    r = inputs_play(tmp_path, playbook, form, demo=True, mine=mine)
+    out = r.stdout + r.stderr
+    assert r.returncode == 2, out[-3000:]
+    assert f"ctl: {switch} is true" in out and "would be silently ignored" in out, out[-3000:]
+    for name in mine:
+        assert name in out.split(f"{switch} is true", 1)[1], out[-3000:]
+    assert f"add -e {switch}=false" in out, out[-3000:]
+    assert "PLAY [Provision]" not in out, out[-3000:]
+
+
+@pytest.mark.parametrize("playbook", ["train", "regenerate"])
+def test_the_demo_alone_and_your_own_vars_alone_pass_the_inputs(tmp_path, playbook):
+    switch, mine = DEMO_CLASHES[playbook]
+    demo = inputs_play(tmp_path, playbook, "group", demo=True, mine={})
+    yours = inputs_play(tmp_path, playbook, "extra", demo=False, mine=mine)
+    for r in (demo, yours):  # on to provisioning (of which --tags always runs only the argument checks)
+        assert r.returncode == 0 and "PLAY [Provision]" in r.stdout, r.stdout[-3000:]
+        assert "silently ignored" not in r.stdout

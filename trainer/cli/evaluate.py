@@ -102,33 +102,38 @@ def cmd_export(args) -> int:
 def cmd_regenerate(args) -> int:
     from trainer.regenerate import RegenOptions, regenerate
 
-    regenerate(
-        RegenOptions(
-            target=args.target,
-            prompts=args.prompts,
-            out=args.out,
-            max_new_tokens=args.max_new_tokens,
-            batch_size=args.batch_size,
-            chat_template=args.chat_template,
-            thinking=args.thinking,
-            limit=args.limit,
-            backend=args.backend or ("server" if args.server else "transformers"),
-            device=args.device,
-            ignore_eos=args.ignore_eos,
-            dtype=args.dtype,
-            tensor_parallel_size=args.tensor_parallel_size,
-            servers=tuple(args.server or ()),
-            concurrency=args.concurrency,
-            request_timeout_s=args.request_timeout,
-            retries=args.retries,
-            server_wait_s=args.server_wait,
-            max_empty_share=args.max_empty_share,
-            run_dir=args.run_dir,
-            push_to=args.push_to,
-            endpoint_url=args.endpoint_url,
-            push_every_s=args.push_every,
-        )
+    opts = RegenOptions(
+        target=args.target,
+        prompts=args.prompts,
+        out=args.out,
+        max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size,
+        chat_template=args.chat_template,
+        thinking=args.thinking,
+        limit=args.limit,
+        backend=args.backend or ("server" if args.server else "transformers"),
+        device=args.device,
+        ignore_eos=args.ignore_eos,
+        dtype=args.dtype,
+        tensor_parallel_size=args.tensor_parallel_size,
+        servers=tuple(args.server or ()),
+        concurrency=args.concurrency,
+        request_timeout_s=args.request_timeout,
+        retries=args.retries,
+        server_wait_s=args.server_wait,
+        max_empty_share=args.max_empty_share,
+        run_dir=args.run_dir,
+        push_to=args.push_to,
+        endpoint_url=args.endpoint_url,
+        push_every_s=args.push_every,
     )
+    if args.check_only:
+        from trainer.regenerate.options import check_before_engines
+
+        check_before_engines(opts)
+        print(f"dflash regenerate: can start here ({opts.backend} backend; nothing started)")
+        return 0
+    regenerate(opts)
     return 0
 
 
@@ -358,6 +363,12 @@ def register(sub) -> None:
     p.add_argument("--endpoint-url", default=None, help="--push-to: the S3 endpoint (radosgw, MinIO)")
     p.add_argument(
         "--push-every", type=seconds, default=60.0, help="--push-to: seconds between batch pushes (60)"
+    )
+    p.add_argument(
+        "--check-only",
+        action="store_true",
+        help="check the arguments and this host (/dev/shm for vLLM engines on it: the in-process one, or "
+        "--server at a loopback address) and start nothing (regenerate_job does, before its engines)",
     )
     _template_args(p)
     p.set_defaults(func=cmd_regenerate)

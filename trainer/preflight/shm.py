@@ -16,7 +16,9 @@ What takes room there:
   again by the reader, then refused naming the folder's free space (trainer/sources/vllm.py).
 
 Without this gate such a node starts the trainer, the server dies on its first allocation, and the
-service manager restarts the pair forever. Light side: stdlib only.
+service manager restarts the pair forever. The queue part alone (`engine_shm_gate`) is the gate of
+`dflash regenerate`'s vLLM engines too (its in-process engine; `--check-only` for the `--server` engines
+on this host, what roles/regenerate_job runs before it starts them). Light side: stdlib only.
 """
 
 from __future__ import annotations
@@ -60,6 +62,12 @@ def spool_bytes(cfg: RunConfig, target: TargetInfo, cpu: bool, local_ranks: int 
     return disk.spool_bytes(ranks, spool_tokens(cfg), layers, target.hidden, width)
 
 
+SHM_FIX = (
+    "start the node's container with a larger /dev/shm (docker/podman run --shm-size=2g, or --ipc=host; "
+    "on a rented node: the provider's shared-memory setting)"
+)
+
+
 def shm_gate(
     cfg: RunConfig,
     target: TargetInfo | None,
@@ -82,23 +90,36 @@ def shm_gate(
         cfg.target.vllm.storage_dir
     ).resolve().is_relative_to(shm.resolve())
     spool = spool_bytes(cfg, target, cpu) if spool_here and target is not None else 0
-    need = VLLM_QUEUES_BYTES + spool
+    parts = f"vLLM's engine queues {VLLM_QUEUES_BYTES / MIB:.0f} MiB"
+    fix = SHM_FIX
+    if spool:
+        parts += f" + hidden-state files in flight {spool / MIB:.0f} MiB ({spool_tokens(cfg)} tokens a rank)"
+        fix += ", or put the hidden-state files on disk with target.vllm.storage_dir (vLLM's queues stay)"
+    who = "the vLLM server this run starts"
+    _gate(
+        report, shm, VLLM_QUEUES_BYTES + spool, parts, who, fix, " and the service would restart it forever"
+    )
+
+
+def engine_shm_gate(report: PreflightReport, who: str, shm: Path = SHM) -> None:
+    """The same gate for vLLM engines that are no training run's: `dflash regenerate`'s (its in-process
+    engine, or the `--server` engines on this host that regenerate_job is about to start; `--check-only`).
+    Their queues only: they write no hidden-state files."""
+    if shm.is_dir():
+        parts = f"vLLM's engine queues {VLLM_QUEUES_BYTES / MIB:.0f} MiB"
+        _gate(report, shm, VLLM_QUEUES_BYTES, parts, who, SHM_FIX)
+
+
+def _gate(
+    report: PreflightReport, shm: Path, need: int, parts: str, who: str, fix: str, after: str = ""
+) -> None:
     free = shutil.disk_usage(shm).free
     report.machine["shm"] = {"path": str(shm), "free_mib": free / MIB, "need_mib": need / MIB}
     if need <= free:
         return
-    parts = f"vLLM's engine queues {VLLM_QUEUES_BYTES / MIB:.0f} MiB"
-    if spool:
-        parts += f" + hidden-state files in flight {spool / MIB:.0f} MiB ({spool_tokens(cfg)} tokens a rank)"
-    fix = (
-        "start the node's container with a larger /dev/shm (docker/podman run --shm-size=2g, or --ipc=host; "
-        "on a rented node: the provider's shared-memory setting)"
-    )
-    if spool:
-        fix += ", or put the hidden-state files on disk with target.vllm.storage_dir (vLLM's queues stay)"
     report.error(
         "machine.shm_too_small",
-        f"{shm} has {free / MIB:.0f} MiB free; the vLLM server this run starts needs {need / MIB:.0f} MiB "
-        f"there ({parts}): it would die on start-up and the service would restart it forever",
+        f"{shm} has {free / MIB:.0f} MiB free; {who} needs {need / MIB:.0f} MiB "
+        f"there ({parts}): it would die on start-up{after}",
         fix,
     )

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from ipaddress import ip_address
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from trainer.regenerate.meta import BACKENDS, RegenerateError
 
@@ -79,7 +81,36 @@ def check_options(opts: RegenOptions) -> None:
         )
     if opts.backend == "vllm":
         family_check(opts)
+        shm_check("the vLLM engine this regeneration starts")
         opts.tensor_parallel_size = engine_tensor_parallel(opts)
+
+
+def check_before_engines(opts: RegenOptions) -> None:
+    """`--check-only`: every argument check, and /dev/shm for the `--server` engines on this host (a
+    loopback URL: regenerate_job starts them beside the job), before anything starts them."""
+    check_options(opts)
+    if any(on_this_host(url) for url in opts.servers):
+        shm_check("each vLLM engine this regeneration uses on this host (--server)")
+
+
+def on_this_host(url: str) -> bool:
+    """A loopback URL (localhost, 127.0.0.0/8, ::1): the engine runs on this host."""
+    host = urlsplit(url).hostname or ""
+    try:
+        return host == "localhost" or ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def shm_check(who: str) -> None:
+    """/dev/shm for vLLM engines on this host: the trainer's gate (trainer/preflight/shm.py), one line."""
+    from trainer.preflight.report import PreflightReport
+    from trainer.preflight.shm import engine_shm_gate
+
+    report = PreflightReport()
+    engine_shm_gate(report, who)
+    for p in report.errors:
+        raise RegenerateError(f"[{p.code}] {p.message} (fix: {p.fix})")
 
 
 def family_check(opts: RegenOptions) -> None:
