@@ -197,7 +197,8 @@ else:
     import torch
     import torch.distributed as dist
     from datetime import timedelta
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))  # a filtered rank fails, not hangs
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))  # bounds the collective; a filtered
+    # rendezvous hangs in torchrun until the probe unit's TimeoutStartSec (150 s) ends it: red, not stuck
     t = torch.ones(1)
     dist.all_reduce(t)
     out = {"rank": dist.get_rank(), "sum": t.item(), "master": os.environ["MASTER_ADDR"],
