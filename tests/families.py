@@ -2,16 +2,25 @@
 download): one function per family, `build_<family>(path) -> path` writes a saved model folder
 (config.json + model.safetensors, fp32, random weights with a sharpened head so that greedy text has
 structure) and returns it. Shared by the hybrid-target tests (tests/integration/test_eval_hybrid.py)
-and the family matrix (tests/integration/test_families.py).
+and the family matrix (tests/integration/test_families.py, its vLLM column test_families_vllm.py), whose
+per-family runs (target, data, `dflash init`, `dflash train`, `dflash export`) are the session fixtures
+at the end of this file, registered by tests/integration/conftest.py: one run per family however many
+test files of a pytest process use it.
 
 Every tiny model here has the shape of the tests' Qwen3 (trainer/demo/synth.py `tiny_target`): vocabulary
 512 (ids 0 pad, 1 bos, 2 eos; 511 free for the drafter's mask token), hidden 64, 4 layers, so the run
-configs of tests/conftest.py (`write_config`: aux ids [1, 2], mask 511) fit every family.
+configs of tests/conftest.py (`write_config`: aux ids [1, 2], mask 511) fit every family. The matrix's
+targets have attention heads of 32 (`HEAD_DIM`), the smallest vLLM's CPU attention takes, so that vLLM
+serves their drafters here.
 """
 
 from __future__ import annotations
 
+import subprocess
+from dataclasses import dataclass
 from pathlib import Path
+
+import pytest
 
 VOCAB = 512
 HIDDEN = 64
@@ -98,6 +107,7 @@ def build_qwen3_5_vlm(path: Path, seed: int = 0) -> Path:
 # Each writes a word-level tokenizer beside the model (`w<i>` is id i past <pad> 0, <s> 1, </s> 2,
 # <unk> 3) of 500 ids: the embedding's last rows are past it, as Qwen3's are, and `dflash init` takes
 # the first (500) for the mask token.
+HEAD_DIM = 32  # the smallest attention head vLLM's CPU kernels take (cpu_attn.py get_supported_head_sizes)
 WINDOW = 16  # sliding-window layers: shorter than a prompt plus its 40-token generation
 TOKENIZER_SIZE = 500
 
@@ -144,7 +154,7 @@ def _shape(**more) -> dict:
         "num_hidden_layers": LAYERS,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
-        "head_dim": HIDDEN // 4,
+        "head_dim": HEAD_DIM,
         "max_position_embeddings": 4096,
         "tie_word_embeddings": False,
         **SPECIAL,
@@ -204,7 +214,7 @@ def build_gemma3(path: Path) -> Path:
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     layer_types = ["sliding_attention", "full_attention"] * (LAYERS // 2)
-    shape = _shape(tie_word_embeddings=True, query_pre_attn_scalar=HIDDEN // 4, sliding_window=WINDOW)
+    shape = _shape(tie_word_embeddings=True, query_pre_attn_scalar=HEAD_DIM, sliding_window=WINDOW)
     return _random(Gemma3ForCausalLM, Gemma3TextConfig(**shape, layer_types=layer_types), path)
 
 
@@ -244,3 +254,100 @@ def build_qwen3_5_vlm_vllm(path: Path) -> Path:
         tie_word_embeddings=False,
     )
     return _random(Qwen3_5ForConditionalGeneration, cfg, path)
+
+
+# ---------------------------------------------------------------- the matrix's runs (session fixtures)
+def build_qwen3_5(path: Path) -> Path:
+    """The Qwen3.5 hybrid as shipped (the VLM wrapper), with the matrix's tokenizer and head rows."""
+    from safetensors.torch import load_file, save_file
+
+    build_qwen3_5_vlm(path)
+    weights = load_file(str(path / "model.safetensors"))
+    weights["lm_head.weight"][TOKENIZER_SIZE:] = 0.0  # as _random: the mask stays out of the data
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return write_word_tokenizer(path)
+
+
+FAMILIES = {  # id in docs/families.md -> builder
+    "qwen3": build_qwen3,
+    "qwen3-moe": build_qwen3_moe,
+    "qwen3.5": build_qwen3_5,
+    "llama3": build_llama3,
+    "gpt-oss": build_gpt_oss,
+    "gemma3": build_gemma3,
+}
+SMALL = {  # this machine's sizes for the run init wrote (the recipe's own would take minutes)
+    "drafter.num_layers": 1,
+    "drafter.block_size": 4,
+    "train.max_steps": 6,
+    "train.max_tokens_per_batch": 256,
+    "train.max_anchors": 8,
+    "train.checkpoint_every": 1000,
+}
+# The families whose drafter vLLM serves in the suite (tests/integration/test_families_vllm.py) train
+# until they draft their greedy text (harness tau ~2 on the training prompts, measured here): vLLM's
+# counts set beside the harness's mean little for a drafter that never gets a token accepted.
+SERVED = ("qwen3-moe", "llama3", "gpt-oss")
+LEARNED = {"train.max_steps": 100, "train.max_anchors": 32, "train.lr": 3.0e-3, "train.warmup_steps": 2}
+
+
+@dataclass
+class Run:
+    name: str
+    root: Path
+    target: Path
+    data: Path
+    config: Path
+    prompts: Path
+    init: subprocess.CompletedProcess
+
+    def sizes(self) -> dict:
+        return SMALL | (LEARNED if self.name in SERVED else {})
+
+    def overrides(self) -> list[str]:
+        return [x for k, v in self.sizes().items() for x in ("--set", f"{k}={v}")]
+
+
+@pytest.fixture(scope="session", params=list(FAMILIES))
+def family_run(request, tmp_path_factory) -> Run:
+    """The family's tiny target (with its tokenizer), its own greedy data (made by `dflash
+    regenerate`'s generation path) and the config `dflash init` wrote for them."""
+    import numpy as np
+    import torch
+
+    from tests.integration.conftest import dflash_here
+    from trainer.demo.synth import greedy_dataset
+    from trainer.eval.prompts import write_prompt_file
+
+    name = request.param
+    root = tmp_path_factory.mktemp(f"family-{name}")
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        target = FAMILIES[name](root / "target")
+        rng = np.random.default_rng(0)
+        prompts = [rng.integers(4, TOKENIZER_SIZE, size=8).tolist() for _ in range(16)]
+        data = greedy_dataset(target, prompts, 24, root / "data")
+    finally:
+        torch.set_num_threads(before)
+    ptxt = write_prompt_file(root / "prompts.jsonl", [{"input_ids": p} for p in prompts[:3]])
+    cfg = root / "run.yaml"
+    init = dflash_here("init", "--target", target, "--data", data, "--out", cfg)
+    return Run(name, root, target, data, cfg, ptxt, init)
+
+
+@pytest.fixture(scope="session")
+def family_trained(family_run) -> subprocess.CompletedProcess:
+    """`dflash train` on the config init wrote, at this machine's sizes: once per family."""
+    from tests.integration.conftest import dflash_here
+
+    return dflash_here("train", "--config", family_run.config, *family_run.overrides())
+
+
+@pytest.fixture(scope="session")
+def family_exported(family_run, family_trained) -> subprocess.CompletedProcess:
+    """`dflash export` of the trained drafter into RUN/export: once per family."""
+    from tests.integration.conftest import dflash_here
+
+    assert family_trained.returncode == 0, family_trained.stderr[-3000:]
+    return dflash_here("export", "--checkpoint", family_run.root / "out", "--out", family_run.root / "export")

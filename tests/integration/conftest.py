@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.families import family_exported, family_run, family_trained  # noqa: F401  (the family matrix's)
+
 
 @pytest.fixture(scope="session")
 def ddp_run(tiny_target, tiny_data, tmp_path_factory) -> Path:

@@ -4,9 +4,10 @@ a user runs them: `dflash init` -> `dflash preflight` (the config as init wrote 
 (hooked source, a few steps) -> `dflash eval` chain and tree (`--tree-budget`), `--check-lossless all`
 -> `dflash export` -> reload (speculators' `SpeculatorModel.from_pretrained`).
 
-Each family's target, data and run are made once (a module-scoped fixture per family) and shared by
-the phases. Each phase's outcome is checked against docs/families.md's table: the test is red when
-the table and what the product does disagree. A family the product cannot take must be refused by
+Each family's target, data, run and export are made once per pytest process (session fixtures per
+family, tests/families.py) and shared by the phases and by the vLLM column's test_families_vllm.py.
+Each phase's outcome is checked against docs/families.md's table: the test is red when the table and
+what the product does disagree. A family the product cannot take must be refused by
 preflight (exit 2, its reason on one line), never a traceback mid-run.
 
 What the sliding-window families (gpt-oss, Gemma 3) exercise: the eval's rollback of a cache longer
@@ -15,12 +16,9 @@ with eager attention (its attention sinks have no sdpa path)."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import re
 import subprocess
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +26,7 @@ import pytest
 import torch
 
 import tests.families as fam
+from tests.integration.conftest import dflash_here as dflash
 from trainer.checkpoint import read_latest
 from trainer.config import load_config
 
@@ -36,66 +35,8 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 DOC = REPO / "docs" / "families.md"
 CPU = torch.device("cpu")
-
-
-def build_qwen3_5(path: Path) -> Path:
-    """The Qwen3.5 hybrid as shipped (the VLM wrapper), with the matrix's tokenizer and head rows."""
-    from safetensors.torch import load_file, save_file
-
-    fam.build_qwen3_5_vlm(path)
-    weights = load_file(str(path / "model.safetensors"))
-    weights["lm_head.weight"][fam.TOKENIZER_SIZE :] = 0.0  # as fam._random: the mask stays out of the data
-    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
-    return fam.write_word_tokenizer(path)
-
-
-FAMILIES = {  # id in docs/families.md -> builder
-    "qwen3": fam.build_qwen3,
-    "qwen3-moe": fam.build_qwen3_moe,
-    "qwen3.5": build_qwen3_5,
-    "llama3": fam.build_llama3,
-    "gpt-oss": fam.build_gpt_oss,
-    "gemma3": fam.build_gemma3,
-}
 PHASES = ("init", "preflight", "train", "eval chain", "eval tree", "export", "reload", "vLLM")
 NEW_TOKENS = 40  # past the sliding windows (16) of gpt-oss and Gemma 3 from an 8-token prompt
-SMALL = {  # this machine's sizes for the run init wrote (the recipe's own would take minutes)
-    "drafter.num_layers": 1,
-    "drafter.block_size": 4,
-    "train.max_steps": 6,
-    "train.max_tokens_per_batch": 256,
-    "train.max_anchors": 8,
-    "train.checkpoint_every": 1000,
-}
-
-
-@dataclass
-class Run:
-    name: str
-    root: Path
-    target: Path
-    data: Path
-    config: Path
-    prompts: Path
-    init: subprocess.CompletedProcess
-
-    def overrides(self) -> list[str]:
-        return [x for k, v in SMALL.items() for x in ("--set", f"{k}={v}")]
-
-
-def dflash(*args) -> subprocess.CompletedProcess:
-    """`dflash ARGS` in this process on one torch thread (imports paid once; two threads on 2 busy cores
-    slow each other), output captured like a subprocess's."""
-    from trainer.cli import main
-
-    out, err, before = io.StringIO(), io.StringIO(), torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = main([str(a) for a in args])
-    finally:
-        torch.set_num_threads(before)
-    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
 def doc_table() -> dict[str, dict[str, str]]:
@@ -112,7 +53,7 @@ def doc_table() -> dict[str, dict[str, str]]:
     return rows
 
 
-def agree(run: Run, phase: str, observed: str) -> None:
+def agree(run: fam.Run, phase: str, observed: str) -> None:
     """The observed outcome ("works" or "refused: why") is what the docs' table says for this cell."""
     cell = doc_table()[run.name][phase]
     kind = observed.split(":")[0]
@@ -121,40 +62,21 @@ def agree(run: Run, phase: str, observed: str) -> None:
     )
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
-def run(request, tmp_path_factory) -> Run:
-    """The family's tiny target (with its tokenizer), its own greedy data (made by `dflash
-    regenerate`'s generation path) and the config `dflash init` wrote for them."""
-    from trainer.demo.synth import greedy_dataset
-    from trainer.eval.prompts import write_prompt_file
-
-    name = request.param
-    root = tmp_path_factory.mktemp(f"family-{name}")
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        target = FAMILIES[name](root / "target")
-        rng = np.random.default_rng(0)
-        prompts = [rng.integers(4, fam.TOKENIZER_SIZE, size=8).tolist() for _ in range(16)]
-        data = greedy_dataset(target, prompts, 24, root / "data")
-    finally:
-        torch.set_num_threads(before)
-    ptxt = write_prompt_file(root / "prompts.jsonl", [{"input_ids": p} for p in prompts[:3]])
-    cfg = root / "run.yaml"
-    init = dflash("init", "--target", target, "--data", data, "--out", cfg)
-    return Run(name, root, target, data, cfg, ptxt, init)
+# The family's run, trained and exported drafter: session fixtures (tests/families.py) that this matrix and
+# its vLLM column (test_families_vllm.py) share, so that nothing is trained twice in one process.
+@pytest.fixture
+def run(family_run) -> fam.Run:
+    return family_run
 
 
-@pytest.fixture(scope="module")
-def trained(run) -> subprocess.CompletedProcess:
-    """`dflash train` on the config init wrote, at this machine's sizes: once per family."""
-    return dflash("train", "--config", run.config, *run.overrides())
+@pytest.fixture
+def trained(family_trained) -> subprocess.CompletedProcess:
+    return family_trained
 
 
-@pytest.fixture(scope="module")
-def exported(run, trained) -> subprocess.CompletedProcess:
-    assert trained.returncode == 0, trained.stderr[-3000:]
-    return dflash("export", "--checkpoint", run.root / "out", "--out", run.root / "export")
+@pytest.fixture
+def exported(family_exported) -> subprocess.CompletedProcess:
+    return family_exported
 
 
 def test_init(run):
@@ -187,7 +109,7 @@ def test_train_hooked(run, trained):
     out = run.root / "out"
     events = load_events(out / "events.jsonl")
     steps = [e for e in events if e["event"] == "step"]
-    assert len(steps) == SMALL["train.max_steps"] and all(np.isfinite(e["loss"]) for e in steps)
+    assert len(steps) == run.sizes()["train.max_steps"] and all(np.isfinite(e["loss"]) for e in steps)
     assert read_latest(out) is not None
     agree(run, "train", "works")
 
@@ -248,11 +170,12 @@ def test_export_and_reload(run, exported):
     agree(run, "reload", "works")
 
 
-# Where the vLLM hidden-state source and vLLM-served tau run for a family (one vLLM start each costs
-# minutes here, so they live in the engines lane's tests, not in this matrix); the rest: not run here.
+# Where the vLLM hidden-state source and vLLM-served tau run for a family (a vLLM start costs most of a
+# minute here, so they live in their own test files, not in this one); the rest: not run here.
 VLLM_TESTED = {
     "qwen3": ("tests/integration/test_vllm_source.py", "tests/integration/test_eval_served.py"),
     "qwen3.5": ("tests/integration/test_hybrid_vllm.py",),
+    **{name: ("tests/integration/test_families_vllm.py",) for name in fam.SERVED},
 }
 
 
@@ -278,4 +201,4 @@ def test_vllm_column_is_what_vllm_can_take_and_where_it_is_tested(run):
 
 
 def test_the_table_holds_exactly_the_matrix():
-    assert set(doc_table()) == set(FAMILIES), "docs/families.md's rows are not the matrix's families"
+    assert set(doc_table()) == set(fam.FAMILIES), "docs/families.md's rows are not the matrix's families"
