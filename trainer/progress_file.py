@@ -1,12 +1,18 @@
 """A long step's progress as a small JSON file the play reads (`dflash progress FILE --wait S`): bytes done
 and to do, rate, ETA and state, rewritten atomically every few seconds by the process doing the work.
 A role starts the step in the background (Ansible `async`) and prints one line per answer of `dflash
-progress`, so a 65 GB pull or a 4 GB install is never minutes of silence. Light side: stdlib only."""
+progress`, so a 65 GB pull, a 4 GB install or a salvage push is never minutes of silence.
+Where dflash is not installed yet (python_env's uv install), `python -m trainer.progress_file run FILE
+--label L --measure DIR... -- CMD...` runs CMD and writes the file from the growth of the DIRs, and
+`python -m trainer.progress_file wait FILE --wait S` reads it (PYTHONPATH: the synced source).
+Light side: stdlib only."""
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -69,21 +75,26 @@ def line(state: dict[str, Any]) -> str:
 
 
 class ProgressFile:
-    """Samples `measure()` (bytes done) every `every_s` on a thread and rewrites `path` (temp name, then
-    rename); `finish` writes the end state. The rate is over the last minute of samples."""
+    """Samples `measure()` (bytes done; default: what `count` added) every `every_s` on a thread and
+    rewrites `path` (temp name, then rename); `finish` writes the end state. The rate is over the last
+    minute of samples."""
 
-    def __init__(self, path: Path, label: str, total: int | None, measure: Callable[[], int], every_s=2.0):
-        self.path, self.label, self.total, self.measure, self.every_s = (
-            Path(path),
-            label,
-            total,
-            measure,
-            every_s,
-        )
+    def __init__(
+        self, path: Path, label: str, total: int | None, measure: Callable[[], int] | None = None, every_s=2.0
+    ):
+        self.path, self.label, self.total, self.every_s = Path(path), label, total, every_s
+        self.counted = 0
+        self._lock = threading.Lock()
+        self.measure = measure or (lambda: self.counted)
         self.t0 = time.time()
         self.samples: list[tuple[float, int]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def count(self, n: int) -> None:
+        """`n` more bytes done (negative: a retry took them back); called from any thread."""
+        with self._lock:
+            self.counted += n
 
     def state(self, state: str = "running", error: str | None = None) -> dict[str, Any]:
         now = time.time()
@@ -204,3 +215,86 @@ def with_progress(progress_file: Path | None, dest: Path, label: str, check: boo
         failed = len(report.get("failed") or [])
         pf.finish(bool(report.get("ok")), None if report.get("ok") else f"{failed} file(s) failed")
     return report
+
+
+class _NoFile:
+    """`counting` without a file: every call does nothing."""
+
+    total: int | None = None
+
+    def count(self, n: int) -> None:
+        pass
+
+    def finish(self, ok: bool, error: str | None = None) -> None:
+        pass
+
+    def __enter__(self) -> _NoFile:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+def counting(path: Path | None, label: str) -> ProgressFile | _NoFile:
+    """A progress file fed by `count(n)` (an upload's bytes sent), or nothing when `path` is None; set
+    `.total` once the bytes to move are known."""
+    return ProgressFile(path, label, None) if path else _NoFile()
+
+
+def run_watched(path: Path, label: str, dirs: list[Path], argv: list[str], every_s: float = 5.0) -> int:
+    """Run `argv` (its stdout passed through, its stderr passed through line by line) while `path` says
+    the bytes the `dirs` grew by (no total: the command's own size is not known ahead). The file ends
+    `done` on exit 0, else `failed` with the command's last stderr line. Returns its exit code."""
+
+    def grown() -> int:
+        return sum(folder_bytes(d) for d in dirs if d.is_dir()) - start
+
+    start = sum(folder_bytes(d) for d in dirs if d.is_dir())
+    last = ""
+    with ProgressFile(path, label, None, grown, every_s) as pf:
+        try:
+            proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, errors="replace")
+        except OSError as exc:
+            pf.finish(False, f"{argv[0]}: {exc.strerror or exc}")
+            print(f"{label}: {argv[0]}: {exc.strerror or exc}", file=sys.stderr)
+            return 127
+        for text in proc.stderr:
+            sys.stderr.write(text)
+            last = text.strip() or last
+        rc = proc.wait()
+        pf.finish(rc == 0, None if rc == 0 else (last or f"exit {rc}"))
+    return rc
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`run` and `wait` for a host where dflash is not installed yet (see the module's text)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m trainer.progress_file", usage="%(prog)s run|wait ...")
+    sub = ap.add_subparsers(dest="verb", required=True)
+    r = sub.add_parser("run", help="run a command, writing the growth of folders to FILE")
+    r.add_argument("file", type=Path)
+    r.add_argument("--label", required=True)
+    r.add_argument("--measure", type=Path, action="append", default=[], help="a folder whose growth counts")
+    r.add_argument("--every", type=float, default=5.0, help="seconds between samples (default 5)")
+    w = sub.add_parser("wait", help="the state as JSON, when the step ends or after --wait seconds")
+    w.add_argument("file", type=Path)
+    w.add_argument("--wait", type=float, default=0.0)
+    w.add_argument("--interval", type=float, default=2.0)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args, command = ap.parse_args(argv[:cut]), argv[cut + 1 :]
+    try:
+        if args.verb == "wait":
+            print(json.dumps(wait(args.file, args.wait, args.interval) if args.wait else read(args.file)))
+            return 0
+        if not command or not (args.every > 0):
+            ap.error("give -- CMD ARGS... and --every above 0")
+        return run_watched(args.file, args.label, args.measure, command, args.every)
+    except ProgressError as exc:
+        print(f"{ap.prog} {args.verb}: {exc}", file=sys.stderr)
+        return ExitCode.REFUSED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,6 +1,8 @@
 """python_env on real SSH hosts: uv from its PyPI wheel, a venv with the CPU recipe, the trainer package,
-all installed from the controller's wheel cache (--no-index: the hosts download nothing)."""
+all installed from the controller's wheel cache (--no-index: the hosts download nothing). The install
+runs in the background and the play prints its progress (bytes, rate; tasks/install.yml)."""
 
+import json
 from pathlib import Path
 
 from tests.ansible.conftest import ROLE_PLAYBOOK as ROLE
@@ -20,6 +22,21 @@ def test_python_env_installs_the_trainer_from_the_wheel_cache(
         )
         assert "--target-config" in r.stdout and "2.13.0+cpu" in r.stdout
         assert (host.root / "wheels" / next(p.name for p in wheel_cache.glob("torch-*.whl"))).is_file()
+    # the install said how far it was: one watch per install step, each line from the progress file the
+    # source's watcher wrote around uv (bytes uv's cache and the venv grew by, rate; no total, no ETA)
+    watched = [
+        e["event_data"]["res"]
+        for e in provisioned.events
+        if e.get("event") == "runner_on_ok"
+        and e["event_data"].get("task", "").startswith("Watch the install, a line")
+        and e["event_data"].get("host") == "node-a"
+    ]
+    assert len(watched) == 2, [e.get("event_data", {}).get("task") for e in provisioned.events][-80:]
+    torch_step = [json.loads(r["stdout"]) for r in watched[0]["results"]]
+    end = torch_step[-1]
+    assert end["state"] == "done" and end["done_bytes"] > 500 * 2**20 and end["total_bytes"] is None, end
+    assert end["line"].startswith("uv install (runtime.txt; uv cache + venv): ") and ", done, " in end["line"]
+    assert "ETA" not in end["line"] and f"node-a: {end['line']}" in provisioned.stdout
     inv = bed.inventory(tmp_path / "inv.yml")
     ev = {"test_role": "python_env", **provision_vars}
     host, venv = bed.hosts["node-a"], bed.hosts["node-a"].root / "venv"

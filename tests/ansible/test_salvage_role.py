@@ -116,6 +116,21 @@ def test_salvage_playbook_on_a_real_host(bed, provisioned, runner, rgw, tiny_tar
         f"role/node-a/main/run/checkpoints/{final['name']}/model.safetensors" in keys
         and "role/node-a/main/NOTES.md" in keys
     )
+    # each push ran in the background and the play printed its progress file's lines (tasks/watch.yml):
+    # the set's push sent every byte it had to, the final notes push too
+    watched = [
+        e["event_data"]["res"]
+        for e in first.events
+        if e.get("event") == "runner_on_ok"
+        and e["event_data"].get("task", "").startswith("Watch the push, a line")
+        and e["event_data"].get("host") == "node-a"
+    ]
+    assert len(watched) == 2, [e.get("event_data", {}).get("task") for e in first.events][-60:]
+    ends = [json.loads(w["results"][-1]["stdout"]) for w in watched]
+    assert all(end["state"] == "done" and end["done_bytes"] == end["total_bytes"] for end in ends), ends
+    assert ends[0]["total_bytes"] > 0 and ", done, " in ends[0]["line"]
+    assert ends[0]["line"].startswith("push to s3://salvage/role/node-a/main: "), ends[0]["line"]
+    assert f"node-a: {ends[0]['line']}" in first.stdout
     verify = json.loads((fetched / ".salvage" / "verify.json").read_text())
     assert verify["ok"] and all(c["ok"] for c in verify["load"]["checkpoints"].values())
 

@@ -190,8 +190,9 @@ def test_salvage_end_to_end_on_radosgw(tmp_path, tiny_target, tiny_data, rgw):
         assert f"run/checkpoints/{final['name']}/model.safetensors" in manifest["files"]
         assert "data/ds/state.json" in manifest["files"] and "node/facts.json" in manifest["files"]
 
-        # 5. the S3 endpoint dies mid-upload
+        # 5. the S3 endpoint dies mid-upload (the play's progress lines read --progress-file)
         env = s3_env(BASE_ENV)
+        pfile = tmp_path / "salvage-set.push-progress.json"
         push = subprocess.Popen(
             [
                 *DFLASH,
@@ -208,6 +209,8 @@ def test_salvage_end_to_end_on_radosgw(tmp_path, tiny_target, tiny_data, rgw):
                 "5",
                 "--json",
                 "--no-progress",
+                "--progress-file",
+                str(pfile),
             ],
             env=env,
             stdout=subprocess.PIPE,
@@ -236,6 +239,13 @@ def test_salvage_end_to_end_on_radosgw(tmp_path, tiny_target, tiny_data, rgw):
         assert push.returncode == 1, stdout[-2000:] + stderr[-2000:]
         first = json.loads(stdout)
         assert not first["ok"] and any(f["path"] == "extra/big-log.bin" for f in first["failed"])
+        # the progress file: bytes sent of the bytes to send, ended failed with the first error, one line
+        state = json.loads(pfile.read_text())
+        assert state["state"] == "failed" and state["total_bytes"] == first["to_upload_bytes"], state
+        assert (
+            0 < state["done_bytes"] < state["total_bytes"] and state["error"] == first["failed"][0]["error"]
+        )
+        assert state["line"].startswith(f"push to {url}: ") and "\n" not in state["line"], state["line"]
         rgw.start_gateway()
         assert "e2e/node-a/MANIFEST.json" not in keys(s3c, "salvage", "e2e/"), (
             "a manifest for an incomplete set"
@@ -252,10 +262,15 @@ def test_salvage_end_to_end_on_radosgw(tmp_path, tiny_target, tiny_data, rgw):
                 rgw.endpoint_url,
                 "--json",
                 "--no-progress",
+                "--progress-file",
+                pfile,
                 check_rc=0,
             ).stdout
         )
         assert "e2e/node-a/extra/big-log.bin" in second["aborted_stale_uploads"]
+        state = json.loads(pfile.read_text())
+        assert state["state"] == "done" and state["done_bytes"] == state["total_bytes"], state
+        assert state["total_bytes"] == second["to_upload_bytes"] > 0 and ", done, " in state["line"]
         assert second["skipped"] >= 1, "objects finished before the kill were sent again"
         assert s3c.list_multipart_uploads(Bucket="salvage", Prefix="e2e/").get("Uploads", []) == []
         head = s3c.head_object(Bucket="salvage", Key="e2e/node-a/extra/big-log.bin")

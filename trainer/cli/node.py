@@ -39,6 +39,7 @@ def _s3(args) -> int:
             tuple(args.exclude),
             args.workers,
             not args.no_progress,
+            progress_file=args.progress_file,
         )
         text = (
             f"{report['s3']}: {report['files']} files, {report['bytes']} bytes; uploaded "
@@ -342,10 +343,9 @@ def register(sub) -> None:
             "--workers", type=positive, default=workers, help=f"parallel transfers (default {workers})"
         )
         q.add_argument("--no-progress", action="store_true", help="no byte progress on stderr")
-        if q is down:
-            q.add_argument(
-                "--progress-file", type=Path, help="write bytes, rate and ETA there (`dflash progress`)"
-            )
+        q.add_argument(
+            "--progress-file", type=out_file, help="write bytes, rate and ETA there (`dflash progress`)"
+        )
         q.add_argument("--json", action="store_true", help="one JSON report on stdout")
         q.set_defaults(func=_s3)
 
@@ -366,6 +366,8 @@ def register(sub) -> None:
     h.add_argument("--check", action="store_true", help="say what would move, move nothing")
     h.add_argument("--workers", type=positive, default=4, help="parallel downloads (default 4)")
     h.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
-    h.add_argument("--progress-file", type=Path, help="write bytes, rate and ETA there (`dflash progress`)")
+    h.add_argument(
+        "--progress-file", type=out_file, help="write bytes, rate and ETA there (`dflash progress`)"
+    )
     h.add_argument("--json", action="store_true", help="one JSON report on stdout")
     h.set_defaults(func=_hub)

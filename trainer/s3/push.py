@@ -172,7 +172,18 @@ def stale_files(set_dir: Path, manifest: dict[str, Any]) -> list[str]:
     return bad
 
 
-def push(
+def push(set_dir: Path, url: str, *args, progress_file: Path | None = None, **kw) -> dict[str, Any]:
+    """`_push` (below), with `progress_file`: bytes sent of the bytes to send, rate and ETA
+    (trainer/progress_file.py), ended `failed` with the first error (or the refusal)."""
+    from trainer.progress_file import counting
+
+    with counting(progress_file, f"push to {url}") as pf:
+        report = _push(set_dir, url, *args, sent=pf, **kw)
+        pf.finish(report["ok"], None if report["ok"] else report["failed"][0]["error"])
+    return report
+
+
+def _push(
     set_dir: Path,
     url: str,
     endpoint_url: str | None = None,
@@ -187,6 +198,7 @@ def push(
     remake_hint: str = "re-run `dflash salvage collect`",
     records: tuple[str, ...] = (),
     force: set[str] | None = None,
+    sent=None,
 ) -> dict[str, Any]:
     """Upload a salvage set (folder with MANIFEST.json) to `url`, or any folder whose manifest is
     `manifest_path` (`dflash s3 push`). `records` name small files of the folder that describe it (a
@@ -217,6 +229,8 @@ def push(
     ours = set_id_of(manifest)
     _refuse_other_sets(client, loc, plan, records, ours)
     todo = [p for p in plan if p["action"] == "upload"]
+    if sent is not None:
+        sent.total = sum(p["size"] for p in todo)
     report: dict[str, Any] = {
         "s3": loc.url(),
         "endpoint_url": endpoint_url,
@@ -241,7 +255,7 @@ def push(
     own_keys = {p["key"] for p in plan} | {loc.key(n) for n in (MANIFEST_NAME, *records)}
     report["aborted_stale_uploads"] = abort_stale_uploads(client, loc, own_keys)
     failed = _upload_all(
-        client, loc, set_dir, manifest, todo, workers, chunk_bytes, threshold_bytes, progress, ours
+        client, loc, set_dir, manifest, todo, workers, chunk_bytes, threshold_bytes, progress, ours, sent
     )
     report["failed"] = failed
     report["uploaded"] = len(todo) - len(failed)
@@ -350,7 +364,17 @@ def _push_records(
 
 
 def _upload_all(
-    client, loc, set_dir, manifest, todo, workers, chunk_bytes, threshold_bytes, progress, set_id=None
+    client,
+    loc,
+    set_dir,
+    manifest,
+    todo,
+    workers,
+    chunk_bytes,
+    threshold_bytes,
+    progress,
+    set_id=None,
+    sent=None,
 ) -> list[dict[str, str]]:
     from boto3.s3.transfer import TransferConfig
     from s3transfer.manager import TransferManager
@@ -361,6 +385,8 @@ def _upload_all(
     class _Bytes(BaseSubscriber):
         def on_progress(self, future, bytes_transferred, **kwargs):
             bar(bytes_transferred)
+            if sent is not None:
+                sent.count(bytes_transferred)
 
     config = TransferConfig(
         multipart_threshold=threshold_bytes,
@@ -395,6 +421,7 @@ def push_folder(
     workers: int = 8,
     progress: bool = True,
     client=None,
+    progress_file: Path | None = None,
 ) -> dict[str, Any]:
     """`dflash s3 push DIR URL`: DIR's manifest written beside it (`DIR.manifest.json`, digests of
     unchanged files reused), then `push` (a dataset is uploaded once from wherever it was tokenized)."""
@@ -420,6 +447,7 @@ def push_folder(
         client=client,
         manifest_path=mpath,
         remake_hint="re-run `dflash s3 push`",
+        progress_file=progress_file,
     )
     report["manifest"] = str(mpath)
     return report
