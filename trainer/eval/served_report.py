@@ -41,11 +41,12 @@ def served_acceptance(
     device: str = "auto",
     dtype: str = "auto",
     tensor_parallel_size: int = 1,
+    log: Path | None = None,
 ) -> dict[str, Any]:
     """Serve the drafter in vLLM on `prompts` (greedy, up to `max_new_tokens`, `block_size` - 1 draft
     tokens per round, the target sharded over `tensor_parallel_size` GPUs) and return vLLM's counts:
     tau, per-position acceptance, the committed tokens per prompt, how vLLM read the drafter's config,
-    the engine's version and wall times."""
+    the engine's version and wall times. `log`: the engine's log (trainer/vllm_engine.py)."""
     scratch = Path(tempfile.mkdtemp(prefix="dflash-served-"))
     try:
         model = exported(folder, target, scratch)
@@ -59,6 +60,8 @@ def served_acceptance(
             device=device,
             dtype=dtype,
             tensor_parallel_size=tensor_parallel_size,
+            log=log,
+            named=str(folder),
         )
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

@@ -71,7 +71,7 @@ class TransformersBackend:
 class VLLMBackend:
     """vLLM's offline engine in this process (trainer/vllm_engine.py): continuous batching over the whole
     batch, greedy, token ids in and out; the caller's stop ids are the only stop rule, as in the
-    transformers backend."""
+    transformers backend. Its output goes to `log` (trainer/vllm_engine.py), its death is one line, exit 1."""
 
     name = "vllm"
 
@@ -83,21 +83,26 @@ class VLLMBackend:
         *,
         dtype: str = "auto",
         tensor_parallel_size: int = 1,
+        log: Path | None = None,
     ):
         from trainer import vllm_engine
 
         vllm = vllm_engine.import_vllm("--backend vllm", RegenerateError)
         self.version = f"vllm {vllm.__version__}"
         cpu = vllm_engine.on_cpu(device, RegenerateError)
-        self.llm = vllm_engine.build_engine(
-            vllm, target_dir, cpu=cpu, dtype=dtype, tensor_parallel_size=tensor_parallel_size
+        self.engine = vllm_engine.build_engine(
+            vllm,
+            target_dir,
+            cpu=cpu,
+            dtype=dtype,
+            tensor_parallel_size=tensor_parallel_size,
+            log=log,
+            what=f"running {target_dir}",
         )
         self.stop_ids = sorted(stop_ids)
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-        from trainer.vllm_engine import greedy
-
-        return greedy(self.llm, prompts, max_new_tokens, self.stop_ids)
+        return self.engine.generate(prompts, max_new_tokens, self.stop_ids)
 
 
 def make_backend(
@@ -111,12 +116,18 @@ def make_backend(
     tensor_parallel_size: int = 1,
     servers: tuple[str, ...] = (),
     server_options: dict[str, Any] | None = None,
+    engine_log: Path | None = None,
 ):
     if name == "transformers":
         return TransformersBackend(target_dir, stop_ids, device, pad_id)
     if name == "vllm":
         return VLLMBackend(
-            target_dir, stop_ids, device, dtype=dtype, tensor_parallel_size=tensor_parallel_size
+            target_dir,
+            stop_ids,
+            device,
+            dtype=dtype,
+            tensor_parallel_size=tensor_parallel_size,
+            log=engine_log,
         )
     if name == "server":
         from trainer.server_client import ServerBackend

@@ -19,6 +19,9 @@ from trainer.regenerate.meta import DATA_META, META_SCHEMA_VERSION, RegenerateEr
 from trainer.regenerate.options import RegenOptions, check_options
 from trainer.regenerate.progress import BatchPusher, RegenEvents
 
+# --backend vllm: the engine's output, in the partial run's folder (kept beside its batches when it dies)
+ENGINE_LOG = "vllm-engine.log"
+
 
 def regenerate(opts: RegenOptions, backend: GenerationBackend | None = None) -> Path:
     from trainer.eval import prompts as P
@@ -163,7 +166,7 @@ def _generate(
             rows = finished.get(f.name)
             if rows is None:
                 if backend is None:
-                    backend = _make_backend(opts, stop_ids, tok)
+                    backend = _make_backend(opts, stop_ids, tok, work / ENGINE_LOG)
                 rows = respond(backend, [prompts_r[k] for k in local], opts.max_new_tokens, set(stop_ids))
                 for k, row in zip(local, rows):
                     row["index"], row["round"] = idx_r[k], r
@@ -241,7 +244,7 @@ def _generate(
     return out
 
 
-def _make_backend(opts, stop_ids: list[int], tok) -> GenerationBackend:
+def _make_backend(opts, stop_ids: list[int], tok, engine_log: Path) -> GenerationBackend:
     pad = tok.pad_token_id if tok is not None and tok.pad_token_id is not None else None
     return make_backend(
         opts.backend,
@@ -258,6 +261,7 @@ def _make_backend(opts, stop_ids: list[int], tok) -> GenerationBackend:
             "retries": opts.retries,
             "wait_s": opts.server_wait_s,
         },
+        engine_log=engine_log,
     )
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from trainer.errors import DflashError, ExitCode
 from trainer.preflight.vllm_family import prefix_caching_off
 from trainer.target import read_config
-from trainer.vllm_engine import CPU_KV_CACHE_BYTES, cpu_engine_env, multimodal
+from trainer.vllm_engine import CPU_KV_CACHE_BYTES, cpu_engine_env, engine_error_line, multimodal
 
 CUDA_CONNECTOR = ("HiddenStatesConnector", "trainer.sources.vllm_connector")  # class, module
 CPU_CONNECTOR = ("CpuHiddenStatesConnector", "trainer.sources.vllm_connector")
@@ -196,6 +196,7 @@ class OwnedServer:
         for note in self.env_notes:
             self._log.write(f"dflash: {note}\n".encode())
         self._log.flush()
+        self._log_start = self._log.tell()  # this server's own lines start here (the log is appended to)
         self.proc = subprocess.Popen(
             cmd,
             stdout=self._log,
@@ -208,24 +209,18 @@ class OwnedServer:
     def pid(self) -> int:
         return self.proc.pid
 
-    def log_tail(self, lines: int = 15) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace").splitlines()
-        except OSError:
-            return ""
-        keep = [t for t in text if "WARNING" not in t and t.strip()]
-        return "\n".join(keep[-lines:])
-
     def wait_ready(self, timeout_s: float) -> None:
-        """Until GET /health answers 200; the server's death or the timeout raise with its log's tail."""
+        """Until GET /health answers 200; the server's death or the timeout raise, one line: the last
+        error line of its log (trainer/vllm_engine.py `engine_error_line`) and where the log is."""
         import httpx
 
         deadline = time.monotonic() + timeout_s
         while True:
             if self.proc.poll() is not None:
                 raise VllmServerError(
-                    f"the vLLM server exited ({self.proc.returncode}) while loading; "
-                    f"its log {self.log_path} ends:\n{self.log_tail()}"
+                    f"the vLLM server exited ({self.proc.returncode}) while loading: "
+                    f"{engine_error_line(self.log_path, self._log_start) or 'no error line'}; "
+                    f"its log: {self.log_path}"
                 )
             try:
                 if httpx.get(self.url + "/health", timeout=5.0).status_code == 200:
@@ -235,8 +230,9 @@ class OwnedServer:
             if time.monotonic() >= deadline:
                 self.stop()
                 raise VllmServerError(
-                    f"the vLLM server did not answer within target.vllm.start_timeout_s={timeout_s:g} s; "
-                    f"its log {self.log_path} ends:\n{self.log_tail()}"
+                    f"the vLLM server did not answer within target.vllm.start_timeout_s={timeout_s:g} s "
+                    f"(last error line: {engine_error_line(self.log_path, self._log_start) or 'none'}); "
+                    f"its log: {self.log_path}"
                 )
             time.sleep(0.5)
 
