@@ -14,7 +14,8 @@ the model name -> the tiny model the Hub stand-in serves, `my-a100` -> the conta
 node's address and port -> the container's, the group `a100` -> `cpu` (no GPU here), the bucket -> radosgw's.
 What it adds, declared: every `ansible-playbook` line gets `-e @TESTVARS` last (TEST_VARS below: how this
 controller reaches the container, the wheel cache, the endpoints of the stand-ins, the tiny engine's CPU
-flags), the chat dataset (`sharegpt.jsonl`) and the vault file the page asks for; `/opt/dflash/...` is kept.
+flags), the chat dataset (`sharegpt.jsonl`) and the vault file the page asks for, and `max_steps: 12` in the
+run config init wrote (a tiny run that ends instead of training until salvage); `/opt/dflash/...` is kept.
 
 The controller's repository root is a checkout in a temp folder (playbooks/, roles/, ansible.cfg,
 requirements/ and the inventory's files linked from this repository; the user's files written there), so
@@ -203,6 +204,13 @@ def test_the_runbook_page_from_a_model_name_to_a_served_drafter(
             "drafter"
         ]
         assert sum(1 for _ in open(root / "prompts" / "prompts.jsonl")) == 24
+        # declared: the run ends at its 12th step (init wrote a real run's length). Trained on until salvage
+        # stopped it, the tiny run spent a core through the second train.yml run and salvage's --check;
+        # salvage stopping a running trainer is tests/ansible/test_salvage_role.py's
+        written = (root / f"{RUN}.yaml").read_text()
+        capped, n = re.subn(r"(?m)^  max_steps: \d+$", "  max_steps: 12", written)
+        assert n == 1, "init's config no longer has one train.max_steps line: update the declared cap"
+        (root / f"{RUN}.yaml").write_text(capped)
 
         # the private file kept elsewhere and passed alone with -i stops at once, naming the fix (in
         # inventory/, where the page puts it, the folder's group_vars apply even with -i FILE)
