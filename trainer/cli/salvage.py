@@ -17,14 +17,16 @@ from typing import Any
 from trainer.cli.argtypes import chunk_mib, count, out_file, positive, seconds
 from trainer.cli.salvage_all import register_all
 from trainer.errors import ExitCode
+from trainer.redact import redact, redact_text
 from trainer.salvage.session import record, recorded, s3_name
 
 
 def _emit(args, report: dict[str, Any], text: str) -> None:
+    """A step's report on stdout (the play's output), masked as its recorded copy is (trainer/redact.py)."""
     if getattr(args, "json", False):
-        print(json.dumps(report, indent=1, default=str))
+        print(json.dumps(redact(json.loads(json.dumps(report, default=str))), indent=1))
     else:
-        print(text)
+        print(redact_text(text))
 
 
 def _save(set_dir: Path | None, step: str, report: dict[str, Any]) -> None:
