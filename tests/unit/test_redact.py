@@ -358,22 +358,22 @@ def _regenerate_warning(tmp_path, capsys):
 def _salvage_report(tmp_path, capsys):
     import argparse
 
-    from trainer.cli.salvage import _emit
+    from trainer.cli.salvage import emit_report
 
     report = {"ok": False, "failed": [{"path": "a", "error": f"read {URL}"}], "endpoint": URL}
-    _emit(argparse.Namespace(json=True), report, "")
-    _emit(argparse.Namespace(json=False), report, f"push failed: {URL}")
+    emit_report(argparse.Namespace(json=True), report, "")
+    emit_report(argparse.Namespace(json=False), report, f"push failed: {URL}")
     return capsys.readouterr().out
 
 
-def _transfer_report(tmp_path, capsys):
+def transfer_report(tmp_path, capsys):
     import argparse
 
-    from trainer.cli.node import _transfer_report
+    from trainer.cli.node import transfer_report
 
     report = {"ok": False, "failed": [{"path": "a", "error": f"403 for {URL}"}], "url": URL}
     for as_json in (True, False):
-        _transfer_report(argparse.Namespace(json=as_json, check=False), report, f"to {URL}", report["failed"])
+        transfer_report(argparse.Namespace(json=as_json, check=False), report, f"to {URL}", report["failed"])
     out = capsys.readouterr()
     return out.out + out.err
 
@@ -385,7 +385,7 @@ SINKS = [
     _refused_argument,
     _regenerate_warning,
     _salvage_report,
-    _transfer_report,
+    transfer_report,
 ]
 
 

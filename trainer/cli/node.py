@@ -73,10 +73,10 @@ def _s3(args) -> int:
         if report.get("extra"):
             text += f"; {len(report['extra'])} local file(s) not in the manifest left alone"
         failed = report["failed"]
-    return _transfer_report(args, report, text, failed)
+    return transfer_report(args, report, text, failed)
 
 
-def _transfer_report(args, report: dict, text: str, failed: list[dict]) -> int:
+def transfer_report(args, report: dict, text: str, failed: list[dict]) -> int:
     """A transfer's report on stdout (JSON with --json, else `text`), each failed file on stderr, all
     through trainer/redact.py (a store's error can quote a presigned URL), and the exit code."""
     if args.json:
@@ -115,7 +115,7 @@ def _hub(args) -> int:
         f"{report['bytes']} bytes; {report['present']} already there, {report['downloaded']} "
         f"downloaded ({report['downloaded_bytes']} bytes, {report['resumed_bytes']} bytes resumed)"
     )
-    return _transfer_report(args, report, text, report["failed"])
+    return transfer_report(args, report, text, report["failed"])
 
 
 def _manifest_create(args) -> int:
