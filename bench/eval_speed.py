@@ -82,7 +82,7 @@ def main() -> int:
     from trainer.eval import prompts as P
     from trainer.eval.harness import speculate
     from trainer.eval.models import HookedTarget, aux_ids_of, load_drafter, speculators_folder
-    from trainer.eval.reference import ReferenceTarget, speculate_reference
+    from trainer.eval.reference import ReferenceTarget
 
     torch.set_num_threads(args.threads)
     tmp = tempfile.TemporaryDirectory(prefix="dflash-eval-speed-")
@@ -112,7 +112,7 @@ def main() -> int:
         )
     stop = set(P.stop_token_ids(args.target, tok))
     speculate(target, drafter, prompts[0], 8, B, stop)  # warm-up (lazy inits) for both paths
-    speculate_reference(reference, drafter, prompts[0], 8, B, stop)
+    speculate(reference, drafter, prompts[0], 8, B, stop)
     fast_t = slow_t = 0.0
     fast_n = slow_n = 0
     fast_acc: list[int] = []
@@ -122,7 +122,7 @@ def main() -> int:
         t0 = time.perf_counter()
         a = speculate(target, drafter, p, args.max_new_tokens, B, stop)
         t1 = time.perf_counter()
-        b = speculate_reference(reference, drafter, p, args.max_new_tokens, B, stop)
+        b = speculate(reference, drafter, p, args.max_new_tokens, B, stop)
         t2 = time.perf_counter()
         fast_t, slow_t = fast_t + t1 - t0, slow_t + t2 - t1
         fast_n, slow_n = fast_n + len(a.tokens), slow_n + len(b.tokens)

@@ -21,7 +21,7 @@ from trainer.checkpoint import read_latest, read_meta
 from trainer.eval.harness import CachedDrafter, speculate, target_greedy
 from trainer.eval.models import HookedTarget, aux_ids_of, load_drafter, speculators_folder
 from trainer.eval.prompts import write_prompt_file
-from trainer.eval.reference import ReferenceTarget, speculate_reference, training_path_logits
+from trainer.eval.reference import ReferenceTarget, training_path_logits
 from trainer.events import load_events
 
 pytestmark = pytest.mark.slow
@@ -71,7 +71,7 @@ def test_harness_equals_reference_and_target_greedy(loaded, block, one_thread):
     accepted_any = 0
     for prompt in tiny_prompts(4):
         fast = speculate(target, drafter, prompt, 40, block, STOP)
-        slow = speculate_reference(ref, drafter, prompt, 40, block, STOP)
+        slow = speculate(ref, drafter, prompt, 40, block, STOP)
         greedy, _ = target_greedy(target, prompt, 40, STOP)
         assert fast.tokens == slow.tokens == greedy, (
             "committed tokens differ from the target's greedy decoding"

@@ -295,3 +295,105 @@ def test_regenerate_never_echoes_a_server_password(tiny_target, tmp_path):
         written = (tmp_path / "job" / "events.jsonl").read_text()
         for part in ("Rg1", "Rg2", "Secret"):
             assert part not in res.stdout + res.stderr and part not in written
+
+
+# ------------------------------------------------------------------ every sink goes through the home
+PW = "Sink9Secret"  # a URL's password: what every sink below is fed
+URL = f"http://user:{PW}@10.0.0.9:5000/x"
+
+
+def _events_and_log(tmp_path, capsys):
+    from trainer.events import EventWriter
+
+    w = EventWriter(tmp_path, "r")
+    w.emit("warning", kind="tracker_failed", message=f"mlflow at {URL} refused", config={"api_key": PW})
+    w.log(f"tracker failed: {URL}")
+    printed = capsys.readouterr()
+    return (tmp_path / "events.jsonl").read_text() + (tmp_path / "train.log").read_text() + printed.out
+
+
+def _monitor_views(tmp_path, capsys):
+    from trainer.events import EventWriter
+    from trainer.monitor.alerts import Thresholds
+    from trainer.monitor.runs import RunMonitor
+
+    w = EventWriter(tmp_path, "r")
+    w.emit("run_start", totals={"total_steps": 4, "total_tokens": 40}, layout={"server": URL})
+    w.emit("warning", kind="x", message=f"server {URL} down")
+    w.log(f"line with {URL}")
+    mon = RunMonitor(".", tmp_path)
+    mon.refresh()
+    views = [mon.snapshot(0.0, None, Thresholds())]
+    views += [mon.events_since(0), mon.log_tail(5), mon.log_since(0)]  # /api/status, /api/events, the stream
+    capsys.readouterr()
+    return json.dumps(views)
+
+
+def _status_json(tmp_path, capsys):
+    from trainer.cli import main
+    from trainer.events import EventWriter
+
+    EventWriter(tmp_path, "r").emit("run_start", layout={"tracking_uri": URL, "note": f"at {URL}"})
+    capsys.readouterr()
+    assert main(["status", "--run-dir", str(tmp_path), "--json"]) == 0
+    return capsys.readouterr().out
+
+
+def _refused_argument(tmp_path, capsys):
+    from trainer.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["monitor", "--run-dir", str(tmp_path), "--port", URL])
+    assert exc.value.code == 2
+    return capsys.readouterr().err
+
+
+def _regenerate_warning(tmp_path, capsys):
+    from trainer.regenerate.progress import RegenEvents
+
+    RegenEvents(tmp_path, "r").warning("s3_push_failed", f"push to {URL} failed")
+    return capsys.readouterr().err + (tmp_path / "events.jsonl").read_text()
+
+
+def _salvage_report(tmp_path, capsys):
+    import argparse
+
+    from trainer.cli.salvage import emit_report
+
+    report = {"ok": False, "failed": [{"path": "a", "error": f"read {URL}"}], "endpoint": URL}
+    emit_report(argparse.Namespace(json=True), report, "")
+    emit_report(argparse.Namespace(json=False), report, f"push failed: {URL}")
+    return capsys.readouterr().out
+
+
+def transfer_report(tmp_path, capsys):
+    import argparse
+
+    from trainer.cli.node import transfer_report
+
+    report = {"ok": False, "failed": [{"path": "a", "error": f"403 for {URL}"}], "url": URL}
+    for as_json in (True, False):
+        transfer_report(argparse.Namespace(json=as_json, check=False), report, f"to {URL}", report["failed"])
+    out = capsys.readouterr()
+    return out.out + out.err
+
+
+SINKS = [
+    _events_and_log,
+    _monitor_views,
+    _status_json,
+    _refused_argument,
+    _regenerate_warning,
+    _salvage_report,
+    transfer_report,
+]
+
+
+@pytest.mark.parametrize("sink", SINKS, ids=lambda f: f.__name__.strip("_"))
+def test_every_sink_masks_what_it_is_fed(sink, tmp_path, capsys):
+    """Each sink's output holds the URL masked by trainer/redact.py, never its password (red when the
+    sink's call to the home is removed). The salvage inventory, NOTES.md and `regenerate --server` are
+    the end-to-end tests above."""
+    out = sink(tmp_path, capsys)
+    assert "user:***@10.0.0.9" in out or f"{MASK}@10.0.0.9" in out, out[-2000:]
+    assert PW not in out, out[-2000:]

@@ -26,10 +26,11 @@ S3_LIBRARIES = ("botocore", "boto3", "s3transfer", "urllib3")
 
 class _Parser(argparse.ArgumentParser):
     """argparse, but a refused argument is one line (`dflash VERB: error: argument --x: ...`), without
-    the usage block above it; `--help` still shows the usage. The verbs' subparsers are of this class too."""
+    the usage block above it, masked (trainer/redact.py: it quotes the value refused); `--help` still shows
+    the usage. The verbs' subparsers are of this class too."""
 
     def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (see: {self.prog} --help)\n")
+        self.exit(2, f"{self.prog}: error: {redact_text(message)} (see: {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:

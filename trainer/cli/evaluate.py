@@ -45,6 +45,12 @@ def _template_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _template_options(args) -> dict:
+    """What `_template_args` parsed, as the keyword arguments EvalOptions and RegenOptions share."""
+    keys = ("chat_template", "thinking", "limit", "ignore_eos")
+    return {k: getattr(args, k) for k in keys}
+
+
 def cmd_eval(args) -> int:
     from trainer.eval.prompts import is_prompt_set, read_prompt_file
 
@@ -61,18 +67,15 @@ def cmd_eval(args) -> int:
             max_new_tokens=args.max_new_tokens,
             block_size=args.block_size,
             device=args.device,
-            chat_template=args.chat_template,
-            thinking=args.thinking,
-            limit=args.limit,
             reference=args.reference,
             check_lossless=args.check_lossless,
-            ignore_eos=args.ignore_eos,
             engine=args.engine,
             served_tolerance=args.served_tolerance,
             tree_budgets=tuple(args.tree_budget or ()),
             tree_top_k=args.tree_top_k,
             tensor_parallel_size=args.tensor_parallel_size,
             harness_gpus=args.harness_gpus,
+            **_template_options(args),
         )
     )
 
@@ -108,12 +111,8 @@ def cmd_regenerate(args) -> int:
         out=args.out,
         max_new_tokens=args.max_new_tokens,
         batch_size=args.batch_size,
-        chat_template=args.chat_template,
-        thinking=args.thinking,
-        limit=args.limit,
         backend=args.backend or ("server" if args.server else "transformers"),
         device=args.device,
-        ignore_eos=args.ignore_eos,
         dtype=args.dtype,
         tensor_parallel_size=args.tensor_parallel_size,
         servers=tuple(args.server or ()),
@@ -126,6 +125,7 @@ def cmd_regenerate(args) -> int:
         push_to=args.push_to,
         endpoint_url=args.endpoint_url,
         push_every_s=args.push_every,
+        **_template_options(args),
     )
     if args.check_only:
         from trainer.regenerate.options import check_before_engines

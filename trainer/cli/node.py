@@ -12,6 +12,7 @@ from pathlib import Path
 
 from trainer.cli.argtypes import above_zero, count, duration, nonnegative, out_file, positive
 from trainer.errors import ExitCode
+from trainer.redact import redact, redact_text
 
 
 def _plan(args) -> int:
@@ -72,12 +73,18 @@ def _s3(args) -> int:
         if report.get("extra"):
             text += f"; {len(report['extra'])} local file(s) not in the manifest left alone"
         failed = report["failed"]
+    return transfer_report(args, report, text, failed)
+
+
+def transfer_report(args, report: dict, text: str, failed: list[dict]) -> int:
+    """A transfer's report on stdout (JSON with --json, else `text`), each failed file on stderr, all
+    through trainer/redact.py (a store's error can quote a presigned URL), and the exit code."""
     if args.json:
-        print(json.dumps({k: v for k, v in report.items() if k != "plan" or args.check}))
+        print(json.dumps(redact({k: v for k, v in report.items() if k != "plan" or args.check})))
     else:
-        print(text + ("" if not args.check else " (--check: nothing moved)"))
-        for f in failed:
-            print(f"FAILED {f['path']}: {f['error']}", file=sys.stderr)
+        print(redact_text(text + ("" if not args.check else " (--check: nothing moved)")))
+    for f in failed:
+        print(redact_text(f"FAILED {f['path']}: {f['error']}"), file=sys.stderr)
     return ExitCode.OK if report["ok"] else ExitCode.FAILED
 
 
@@ -103,18 +110,12 @@ def _hub(args) -> int:
         )
 
     report = _with_progress(args, run, args.spec)
-    if args.json:
-        print(json.dumps({k: v for k, v in report.items() if k != "plan" or args.check}))
-    else:
-        print(
-            f"{report['dest']}: {report['hub']} (commit {report['commit']}): {report['files']} files, "
-            f"{report['bytes']} bytes; {report['present']} already there, {report['downloaded']} "
-            f"downloaded ({report['downloaded_bytes']} bytes, {report['resumed_bytes']} bytes resumed)"
-            + (" (--check: nothing moved)" if args.check else "")
-        )
-    for f in report["failed"]:
-        print(f"FAILED {f['path']}: {f['error']}", file=sys.stderr)
-    return ExitCode.OK if report["ok"] else ExitCode.FAILED
+    text = (
+        f"{report['dest']}: {report['hub']} (commit {report['commit']}): {report['files']} files, "
+        f"{report['bytes']} bytes; {report['present']} already there, {report['downloaded']} "
+        f"downloaded ({report['downloaded_bytes']} bytes, {report['resumed_bytes']} bytes resumed)"
+    )
+    return transfer_report(args, report, text, report["failed"])
 
 
 def _manifest_create(args) -> int:

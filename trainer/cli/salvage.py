@@ -17,14 +17,16 @@ from typing import Any
 from trainer.cli.argtypes import chunk_mib, count, out_file, positive, seconds
 from trainer.cli.salvage_all import register_all
 from trainer.errors import ExitCode
+from trainer.redact import redact, redact_text
 from trainer.salvage.session import record, recorded, s3_name
 
 
-def _emit(args, report: dict[str, Any], text: str) -> None:
+def emit_report(args, report: dict[str, Any], text: str) -> None:
+    """A step's report on stdout (the play's output), masked as its recorded copy is (trainer/redact.py)."""
     if getattr(args, "json", False):
-        print(json.dumps(report, indent=1, default=str))
+        print(json.dumps(redact(json.loads(json.dumps(report, default=str))), indent=1))
     else:
-        print(text)
+        print(redact_text(text))
 
 
 def _save(set_dir: Path | None, step: str, report: dict[str, Any]) -> None:
@@ -37,7 +39,7 @@ def cmd_inventory(args) -> int:
 
     inv = take_inventory(args.run_dir, args.stop_unknown)
     _save(args.out, "inventory", inv)
-    _emit(args, inv, render_table(inv))
+    emit_report(args, inv, render_table(inv))
     return ExitCode.OK
 
 
@@ -77,7 +79,7 @@ def cmd_stop(args) -> int:
         )
     if args.check:
         text += "\n(--check: nothing was stopped)"
-    _emit(args, rep, text)
+    emit_report(args, rep, text)
     if rep["state"] == "timeout":
         print(f"dflash salvage stop: {rep['message']}", file=sys.stderr)
         return ExitCode.STOP_TIMEOUT
@@ -127,7 +129,7 @@ def cmd_collect(args) -> int:
             f"  manifest {rep['manifest']}: {rep['file_count']} files, {rep['total_bytes']:,} bytes "
             f"({rep['hashed']} hashed now, the rest unchanged)"
         )
-    _emit(args, rep, "\n".join(lines))
+    emit_report(args, rep, "\n".join(lines))
     return ExitCode.OK
 
 
@@ -188,7 +190,7 @@ def cmd_push(args) -> int:
                 "  the manifest was NOT stored (the set is incomplete in S3): re-run the same push to resume"
             )
     rep.pop("plan", None) if not args.json else None
-    _emit(args, rep, "\n".join(lines))
+    emit_report(args, rep, "\n".join(lines))
     return ExitCode.OK if rep["ok"] else ExitCode.FAILED
 
 
@@ -202,7 +204,7 @@ def cmd_verify(args) -> int:
     with recorded(args.out, "verify", False, where=s3_name(args.s3) if args.s3 else str(args.set)):
         rep = _verify(args)
     _save(args.out, "verify", rep)
-    _emit(args, rep, render(rep))
+    emit_report(args, rep, render(rep))
     return ExitCode.OK if rep["ok"] else ExitCode.FAILED
 
 
@@ -259,7 +261,7 @@ def cmd_notes(args) -> int:
     text = f"wrote {rep['notes']} and {rep['report']}: {verdict}" + (
         "" if rep["node_can_go"] else "\n  ".join(rep["reasons"])
     )
-    _emit(args, rep, text)
+    emit_report(args, rep, text)
     return ExitCode.OK if rep["node_can_go"] else ExitCode.FAILED
 
 

@@ -62,7 +62,7 @@ def evaluate_one(
 
     from trainer.eval.harness import greedy_reference, speculate
     from trainer.eval.models import load_drafter
-    from trainer.eval.reference import ReferenceTarget, speculate_reference
+    from trainer.eval.reference import ReferenceTarget
 
     t_start = time.perf_counter()
     drafter = load_drafter(folder, opts.target, device)
@@ -88,15 +88,12 @@ def evaluate_one(
         )
     for w in warnings:
         print(f"dflash eval: WARNING {w}", file=sys.stderr, flush=True)
-    ref_target = ReferenceTarget(target) if opts.reference else None
+    runner = ReferenceTarget(target) if opts.reference else target  # the reference path, or the cache's
     results = []
     bar = tqdm(token_prompts, desc=label, unit="prompt", file=sys.stderr, dynamic_ncols=True)
     acc_sum = rounds = 0
     for prompt in bar:
-        if opts.reference:
-            r = speculate_reference(ref_target, drafter, prompt, opts.max_new_tokens, B, stop_ids)
-        else:
-            r = speculate(target, drafter, prompt, opts.max_new_tokens, B, stop_ids)
+        r = speculate(runner, drafter, prompt, opts.max_new_tokens, B, stop_ids)
         results.append(r)
         acc_sum += sum(r.accepted) + r.rounds
         rounds += r.rounds

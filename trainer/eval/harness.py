@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -147,39 +148,62 @@ def generation_done(tokens: list[int], max_new: int, stop_ids: set[int]) -> bool
     return len(tokens) >= max_new or any(t in stop_ids for t in tokens)
 
 
+class CachedRounds:
+    """The harness's rounds on one prompt: the target and the drafter each on a KV cache (steps 1-3 of the
+    module's docstring); `speculate` runs the loop around them."""
+
+    def __init__(self, target: HookedTarget, drafter, prompt: list[int], block_size: int):
+        self.target, self.block = target, block_size
+        ids = torch.tensor([prompt], dtype=torch.long, device=target.device)
+        greedy, self.pending, self.cache = target.forward(ids)  # pending: features not yet in the context
+        self.first = int(greedy[-1])  # the target's greedy token after the prompt: the first anchor
+        self.draft = CachedDrafter(drafter, block_size)
+        self.n = len(prompt)  # position of the current anchor
+
+    def round(self, tokens: list[int]) -> tuple[list[int], list[int]]:
+        """(the drafts after the anchor `tokens[-1]`, the target's greedy token after the anchor and
+        after each draft) from one drafter block and one verify forward on the caches."""
+        dev, anchor = self.target.device, tokens[-1]
+        drafts = self.draft.propose(self.pending.to(dev), anchor, self.n)
+        block = torch.tensor([[anchor, *drafts]], dtype=torch.long, device=dev)
+        greedy, self.feats, self.cache = self.target.forward(block, self.cache)
+        return drafts, greedy.tolist()
+
+    def commit(self, acc: int) -> None:
+        """The anchor and `acc` accepted drafts (positions n..n+acc) join the context: their features are
+        the drafter's next context, the target's cache keeps them (a hybrid's linear layers rolled back:
+        trainer/eval/recurrent.py)."""
+        self.pending = self.feats[:, : acc + 1]
+        self.target.keep(self.cache, self.n, acc + 1, self.block)
+        self.n += acc + 1
+
+
 @torch.no_grad()
 def speculate(
-    target: HookedTarget,
+    target,
     drafter,
     prompt: list[int],
     max_new: int,
     block_size: int,
     stop_ids: set[int] = frozenset(),
 ) -> PromptResult:
-    """One prompt through the cached loop."""
+    """One prompt through the verify loop: on a `HookedTarget` the cached rounds (`CachedRounds`), on a
+    `ReferenceTarget` the reference's, everything recomputed each round (trainer/eval/reference.py). Each
+    round the target's greedy tokens decide how many drafts are accepted, and those plus the target's
+    bonus token are committed: the one place both paths count rounds, accepted drafts and tau."""
     t0 = time.perf_counter()
-    dev = target.device
-    ids = torch.tensor([prompt], dtype=torch.long, device=dev)
-    greedy, feats, tcache = target.forward(ids)
-    tokens = [int(greedy[-1])]
+    start = getattr(target, "rounds", None)  # the reference target makes its own rounds
+    rounds = (start or partial(CachedRounds, target))(drafter, prompt, block_size)
+    tokens = [rounds.first]
     verified = list(tokens)  # the lossless check's record: what the verifier chose at each position
-    pending = feats  # features of positions not yet in the drafter's context
-    draft = CachedDrafter(drafter, block_size)
     accepted: list[int] = []
-    n = len(prompt)  # position of the current anchor
     while not generation_done(tokens, max_new, stop_ids):
-        anchor = tokens[-1]
-        drafts = draft.propose(pending.to(dev), anchor, n)
-        block = torch.tensor([[anchor, *drafts]], dtype=torch.long, device=dev)
-        greedy, feats, tcache = target.forward(block, tcache)
-        pred = greedy.tolist()
-        acc = accepted_count(drafts, pred, block_size)
+        drafts, verdict = rounds.round(tokens)
+        acc = accepted_count(drafts, verdict, block_size)
         accepted.append(acc)
-        tokens.extend(drafts[:acc] + [pred[acc]])
-        verified.extend(pred[: acc + 1])
-        pending = feats[:, : acc + 1]  # anchor + accepted drafts: positions n..n+acc
-        target.keep(tcache, n, acc + 1, block_size)  # a hybrid's linear layers: trainer/eval/recurrent.py
-        n += acc + 1
+        tokens.extend(drafts[:acc] + [verdict[acc]])
+        verified.extend(verdict[: acc + 1])
+        rounds.commit(acc)
     out, why = finish_generation(tokens, max_new, stop_ids)
     return PromptResult(len(prompt), out, accepted, time.perf_counter() - t0, why, verified=verified)
 

@@ -1,4 +1,4 @@
-"""An independent reference loop (`dflash eval --reference`): no caches, everything recomputed
+"""An independent reference path (`dflash eval --reference`): no caches, everything recomputed
 each round, the drafter run through speculators' *training* forward (its anchor-block attention
 mask, sliding windows included) and the target's features read from transformers'
 `output_hidden_states` instead of hooks. Slow by design; it must commit the same tokens and give
@@ -15,17 +15,9 @@ Per round, with committed sequence S (prompt + new tokens, the last one the anch
 
 from __future__ import annotations
 
-import time
-
 import torch
 
-from trainer.eval.harness import (
-    PromptResult,
-    accepted_count,
-    draft_to_target_ids,
-    finish_generation,
-    generation_done,
-)
+from trainer.eval.harness import draft_to_target_ids
 
 
 class ReferenceTarget:
@@ -43,6 +35,10 @@ class ReferenceTarget:
 
     def _keep(self, _module, args):
         self._pre_norm = args[0]
+
+    def rounds(self, drafter, prompt: list[int], block_size: int) -> ReferenceRounds:
+        """This target's rounds on `prompt` for `speculate` (trainer/eval/harness.py)."""
+        return ReferenceRounds(self, drafter, prompt, block_size)
 
     @torch.no_grad()
     def run(self, ids: list[int]) -> tuple[list[int], torch.Tensor]:
@@ -100,29 +96,24 @@ def training_path_block(
     return draft_to_target_ids(drafter, logits.argmax(-1)).tolist()
 
 
-@torch.no_grad()
-def speculate_reference(
-    target: ReferenceTarget,
-    drafter,
-    prompt: list[int],
-    max_new: int,
-    block_size: int,
-    stop_ids: set[int] = frozenset(),
-) -> PromptResult:
-    t0 = time.perf_counter()
-    greedy, _ = target.run(prompt)
-    seq = list(prompt) + [greedy[-1]]
-    verified = [greedy[-1]]  # the verify forward's own choice at each committed position
-    accepted: list[int] = []
-    while not generation_done(seq[len(prompt) :], max_new, stop_ids):
+class ReferenceRounds:
+    """The reference's rounds on one prompt (steps 1-3 of the module's docstring), run by the harness's
+    verify loop (trainer/eval/harness.py `speculate`): nothing is kept between rounds."""
+
+    def __init__(self, target: ReferenceTarget, drafter, prompt: list[int], block_size: int):
+        self.target, self.drafter, self.prompt, self.block = target, drafter, list(prompt), block_size
+        greedy, _ = target.run(self.prompt)
+        self.first = greedy[-1]
+
+    def round(self, tokens: list[int]) -> tuple[list[int], list[int]]:
+        """(the drafts after the anchor `tokens[-1]`, the target's greedy token after the anchor and
+        after each draft), from full forwards over the committed sequence."""
+        seq = self.prompt + tokens
         anchor_pos = len(seq) - 1
-        _, feats = target.run(seq)
-        drafts = training_path_block(drafter, feats, seq, anchor_pos, block_size)
-        greedy, _ = target.run(seq + drafts)
-        verdict = greedy[anchor_pos:]  # the target's token after the anchor and after each draft
-        acc = accepted_count(drafts, verdict, block_size)
-        accepted.append(acc)
-        seq += drafts[:acc] + [verdict[acc]]
-        verified += verdict[: acc + 1]
-    out, why = finish_generation(seq[len(prompt) :], max_new, stop_ids)
-    return PromptResult(len(prompt), out, accepted, time.perf_counter() - t0, why, verified=verified)
+        _, feats = self.target.run(seq)
+        drafts = training_path_block(self.drafter, feats, seq, anchor_pos, self.block)
+        greedy, _ = self.target.run(seq + drafts)
+        return drafts, greedy[anchor_pos:]
+
+    def commit(self, acc: int) -> None:
+        """Nothing to keep: the next round recomputes everything from the committed tokens."""

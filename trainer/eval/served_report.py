@@ -30,39 +30,12 @@ def exported(folder: Path, target: Path, scratch: Path) -> Path:
     return out
 
 
-def served_acceptance(
-    folder: Path,
-    target: Path,
-    prompts: list[list[int]],
-    max_new_tokens: int,
-    block_size: int,
-    stop_ids: set[int],
-    *,
-    device: str = "auto",
-    dtype: str = "auto",
-    tensor_parallel_size: int = 1,
-    log: Path | None = None,
-) -> dict[str, Any]:
-    """Serve the drafter in vLLM on `prompts` (greedy, up to `max_new_tokens`, `block_size` - 1 draft
-    tokens per round, the target sharded over `tensor_parallel_size` GPUs) and return vLLM's counts:
-    tau, per-position acceptance, the committed tokens per prompt, how vLLM read the drafter's config,
-    the engine's version and wall times. `log`: the engine's log (trainer/vllm_engine.py)."""
+def served_acceptance(folder: Path, target: Path, *args: Any, **engine: Any) -> dict[str, Any]:
+    """`serve_export` (trainer/eval/served.py: its arguments after `target`, its counts) of `folder`, a
+    checkpoint (exported into a scratch folder first, removed after) or an export."""
     scratch = Path(tempfile.mkdtemp(prefix="dflash-served-"))
     try:
-        model = exported(folder, target, scratch)
-        return serve_export(
-            model,
-            target,
-            prompts,
-            max_new_tokens,
-            block_size,
-            stop_ids,
-            device=device,
-            dtype=dtype,
-            tensor_parallel_size=tensor_parallel_size,
-            log=log,
-            named=str(folder),
-        )
+        return serve_export(exported(folder, target, scratch), target, *args, named=str(folder), **engine)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 

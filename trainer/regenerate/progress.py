@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from trainer.redact import redact_text
 from trainer.regenerate.meta import RegenerateError
 from trainer.salvage.proc import identity
 
@@ -120,7 +121,7 @@ class RegenEvents:
         )
 
     def warning(self, kind: str, message: str) -> None:
-        print(f"dflash regenerate: WARNING {message}", file=sys.stderr, flush=True)
+        print(f"dflash regenerate: WARNING {redact_text(message)}", file=sys.stderr, flush=True)
         self.writer.emit("warning", kind=kind, message=message)
 
     def end(self, status: str, error: str | None = None) -> None:
