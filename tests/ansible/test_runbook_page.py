@@ -418,7 +418,13 @@ def test_the_runbook_page_from_a_model_name_to_a_served_drafter(
             theirs,
         )
         exported = json.loads(host.ssh(bed, f"cat {json.loads(spec)['model']}/config.json").stdout)
-        assert exported, "the export the serve line names is on the node"
+        assert exported["sliding_window_non_causal"] is True, "the export the serve line names is on the node"
+        # --vllm-check: vLLM loaded the export beside the target, drafted, and read it as trained
+        said = "vLLM load check: vllm " in printed and "serves it as trained (taps [" in printed
+        assert said, printed[-3000:]
+        record = host.ssh(bed, f"cat {json.loads(spec)['model']}/dflash_export.json").stdout
+        check = json.loads(record)["vllm_load_check"]
+        assert check["engine_view"]["causal"] is False and all(c["ok"] for c in check["checks"]), check
 
     text = "".join(r.stdout + r.stderr for r in results)
     assert TEST_SECRET_KEY not in text and TEST_ACCESS_KEY not in text

@@ -69,9 +69,10 @@ def test_vllm_counts_the_harness_tau_and_a_causally_served_export_is_caught(
     checkpoint's own 128-row head and its d2t instead of the target's head (which would score target
     ids as draft ids). One training and one engine start serve both claims (they were two tests). An export as
     `dflash export` wrote it before it set `sliding_window_non_causal` is served by vLLM with a causal
-    draft block (the drafter was trained non-causal): --engine vllm alone names that and fails. Today's
-    export passes `dflash export --vllm-check`; a mask token edited in the export's config is caught
-    against the checkpoint it was exported from."""
+    draft block (the drafter was trained non-causal): --engine vllm alone names that and fails; a mask token
+    edited in the export's config is caught against the checkpoint it was exported from. (Today's export
+    passes `dflash export --vllm-check`: the runbook page's test runs it on its node, an engine start that
+    journey pays anyway.)"""
     # prompts the drafter was trained on: the comparison needs a tau well above 1, not generalisation
     prompts = write_prompt_file(tmp_path / "p.jsonl", [{"input_ids": p} for p in tiny_prompts(6)])
     out = tmp_path / "both" / "report.json"
@@ -112,11 +113,8 @@ def test_vllm_counts_the_harness_tau_and_a_causally_served_export_is_caught(
 
     # the export as written before: the flag false, which vLLM turns into a causal override
     exp = tmp_path / "export"
-    res = dflash("export", "--checkpoint", served_run, "--out", exp, "--vllm-check")
+    res = dflash("export", "--checkpoint", served_run, "--out", exp)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    assert "vLLM load check: vllm " in res.stdout and "serves it as trained (taps [1, 3]" in res.stdout
-    check = json.loads((exp / "dflash_export.json").read_text())["vllm_load_check"]
-    assert check["engine_view"]["causal"] is False and all(c["ok"] for c in check["checks"])
     cfg = json.loads((exp / "config.json").read_text())
     assert cfg["sliding_window_non_causal"] is True
     cfg["sliding_window_non_causal"] = False
