@@ -16,8 +16,9 @@ matrix's `HEAD_DIM`. A CPU limit of tiny models, not of the families: real ones 
 more, and CUDA's backends take 16.
 
 Not run here: the vLLM hidden-state source for these families (an `extract_hidden_states` server is
-another engine start per family; the tests' Qwen3 and the Qwen3.5 hybrid run it). bench/families_vllm_source.py
-runs it for all three (capture equal to the hooked one in fp32, training through the server)."""
+another engine start per family; the tests' Qwen3 and the Qwen3.5 hybrid run it).
+bench/families_vllm_source.py runs it for all three (capture equal to the hooked one in fp32, training
+through the server)."""
 
 from __future__ import annotations
 
