@@ -32,12 +32,13 @@ def prepare_tiny_run(bed, host, steps=2000, every=10):
 
 
 def wait_for(pred, timeout=180, what="condition"):
+    """Poll `pred` once a second (the journeys' predicates read their host over SSH) until it is truthy."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         v = pred()
         if v:
             return v
-        time.sleep(0.5)
+        time.sleep(1.0)
     raise AssertionError(f"timed out waiting for {what}")
 
 

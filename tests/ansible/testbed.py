@@ -48,9 +48,13 @@ class Host:
     container: str | None = None
 
     def ssh(self, bed: Testbed, command: str, check: bool = True) -> subprocess.CompletedProcess:
-        """Run `command` on the host over real SSH (the same key and known_hosts Ansible uses)."""
+        """Run `command` on the host over real SSH (the same key and known_hosts Ansible uses). The tests'
+        own calls share one connection per host (a master kept 60 s): a journey polls its host every
+        second for minutes, and a full handshake per poll cost the suite's CPU (sshd's and ssh's)."""
+        mux = ["-o", "ControlMaster=auto", "-o", f"ControlPath={bed.workdir}/cm-%C"]
+        mux += ["-o", "ControlPersist=60s"]
         return subprocess.run(
-            ["ssh", *bed.ssh_options(), "-p", str(self.port), f"root@{self.addr}", command],
+            ["ssh", *bed.ssh_options(), *mux, "-p", str(self.port), f"root@{self.addr}", command],
             capture_output=True,
             text=True,
             check=check,
