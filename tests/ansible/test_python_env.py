@@ -41,10 +41,9 @@ def test_python_env_installs_the_trainer_from_the_wheel_cache(
     ev = {"test_role": "python_env", **provision_vars}
     host, venv = bed.hosts["node-a"], bed.hosts["node-a"].root / "venv"
     # a second real run changes nothing: the journey proves it for all of train.yml (test_runbook_page.py)
-    # --check tells the truth: nothing to do now; after a source change, exactly the sync (and the
-    # install, which a command cannot dry-run: reported as skipped)
-    check = runner.run(ROLE, inv, limit="node-a", extravars=ev, check=True)
-    assert check.ok() and check.changed("node-a") == 0, check.changed_tasks()
+    # --check tells the truth: after a source change, exactly the sync (and the install, which a command
+    # cannot dry-run: reported as skipped), no other task (a --check with nothing changed was a role run
+    # more that proved less: this one fails on any task that --check reports changed without a cause)
     plan = Path("trainer") / "layout" / "plan.py"
     with open(repo_snapshot / plan, "a") as fh:
         fh.write("\nTEST_MARKER = 1\n")

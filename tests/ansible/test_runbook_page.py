@@ -14,7 +14,7 @@ the model name -> the tiny model the Hub stand-in serves, `my-a100` -> the conta
 node's address and port -> the container's, the group `a100` -> `cpu` (no GPU here), the bucket -> radosgw's.
 What it adds, declared: every `ansible-playbook` line gets `-e @TESTVARS` last (TEST_VARS below: how this
 controller reaches the container, the wheel cache, the endpoints of the stand-ins, the tiny engine's CPU
-flags), the chat dataset (`sharegpt.jsonl`) and the vault file the page asks for, and `max_steps: 12` in the
+flags), the chat dataset (`sharegpt.jsonl`) and the vault file the page asks for, and `max_steps: 6` in the
 run config init wrote (a tiny run that ends instead of training until salvage); `/opt/dflash/...` is kept.
 
 The controller's repository root is a checkout in a temp folder (playbooks/, roles/, ansible.cfg,
@@ -204,11 +204,11 @@ def test_the_runbook_page_from_a_model_name_to_a_served_drafter(
             "drafter"
         ]
         assert sum(1 for _ in open(root / "prompts" / "prompts.jsonl")) == 24
-        # declared: the run ends at its 12th step (init wrote a real run's length). Trained on until salvage
+        # declared: the run ends at its 6th step (init wrote a real run's length). Trained on until salvage
         # stopped it, the tiny run spent a core through the second train.yml run and salvage's --check;
         # salvage stopping a running trainer is tests/ansible/test_salvage_role.py's
         written = (root / f"{RUN}.yaml").read_text()
-        capped, n = re.subn(r"(?m)^  max_steps: \d+$", "  max_steps: 12", written)
+        capped, n = re.subn(r"(?m)^  max_steps: \d+$", "  max_steps: 6", written)
         assert n == 1, "init's config no longer has one train.max_steps line: update the declared cap"
         (root / f"{RUN}.yaml").write_text(capped)
 

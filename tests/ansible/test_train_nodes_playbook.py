@@ -22,7 +22,7 @@ from tests.integration.test_train import ENV
 from tests.s3servers import TEST_ACCESS_KEY, TEST_SECRET_KEY, client
 from trainer.events import load_events
 
-STEPS, EVERY = 200, 20
+STEPS, EVERY = 100, 10
 
 
 def events(out, kind):
