@@ -13,7 +13,9 @@ The keys are test-only constants for these throwaway servers, never real credent
 
 from __future__ import annotations
 
+import errno
 import os
+import re
 import shutil
 import signal
 import socket
@@ -34,6 +36,10 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class PortTaken(RuntimeError):
+    """radosgw exited because its port was taken (EADDRINUSE, its exit status)."""
 
 
 def have_radosgw() -> bool:
@@ -119,7 +125,6 @@ class RadosGW:
         for d in ("run", "log", "mon", "osd/ceph-0", "rgw"):
             (r / d).mkdir(parents=True, exist_ok=True)
         fsid = str(uuid.uuid4())
-        endpoints = "".join(f" endpoint={a}:{self.port}" for a in ("127.0.0.1", *self.also_listen))
         self.conf.write_text(f"""[global]
 fsid = {fsid}
 mon host = v1:127.0.0.1:{self.mon_port}
@@ -150,7 +155,7 @@ mon data = {r}/mon/$cluster-$id
 osd data = {r}/osd/$cluster-$id
 keyring = /dev/null
 [client.rgw]
-rgw frontends = beast{endpoints}
+{self._frontends()}
 rgw data = {r}/rgw
 rgw enable usage log = false
 """)
@@ -174,7 +179,16 @@ rgw enable usage log = false
         self._retry("ceph", "osd", "create")
         self._ceph("ceph-osd", "-i", "0", "--mkfs")
         self._retry("ceph-osd", "-i", "0")
-        self.start_gateway()
+        for attempt in range(3):
+            try:
+                self.start_gateway()
+                break
+            except PortTaken:
+                # free_port() let the port go before radosgw bound it: another lane's server (or anything)
+                # took it in between. A new port (the cluster keeps its objects; only the endpoint moves)
+                if attempt == 2:
+                    raise
+                self._move_gateway(free_port())
         self._ceph(
             "radosgw-admin",
             "-n",
@@ -197,7 +211,8 @@ rgw enable usage log = false
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.gateway.poll() is not None:
-                raise RuntimeError(f"radosgw exited ({self.gateway.returncode}); see {self.root}/log/")
+                error = PortTaken if self.gateway.returncode == errno.EADDRINUSE else RuntimeError
+                raise error(f"radosgw exited ({self.gateway.returncode}); see {self.root}/log/")
             try:
                 urllib.request.urlopen(self.endpoint_url, timeout=2)
                 return
@@ -206,6 +221,18 @@ rgw enable usage log = false
             except OSError:
                 time.sleep(0.3)
         raise RuntimeError(f"radosgw did not answer on {self.endpoint_url} within {timeout}s")
+
+    def _frontends(self) -> str:
+        return "rgw frontends = beast" + "".join(
+            f" endpoint={a}:{self.port}" for a in ("127.0.0.1", *self.also_listen)
+        )
+
+    def _move_gateway(self, port: int) -> None:
+        """The S3 endpoint on another port (the conf's frontends line and endpoint_url)."""
+        self.port = port
+        self.endpoint_url = f"http://127.0.0.1:{port}"
+        text = self.conf.read_text()
+        self.conf.write_text(re.sub(r"(?m)^rgw frontends = .*$", self._frontends(), text))
 
     def kill_gateway(self) -> None:
         """SIGKILL the S3 endpoint (the cluster and its objects stay)."""
