@@ -97,10 +97,10 @@ def write_run_config(root: Path, target: Path, data: Path, steps: int) -> Path:
 
 def family(name: str, root: Path, args) -> dict:
     """Every phase of one family; raises Failed with what failed."""
-    from trainer.capture import compare_captures
-    from trainer.config import load_config
-    from trainer.events import load_events
+    from trainer.config.run import load_config
+    from trainer.sources.capture import compare_captures
     from trainer.sources.vllm_server import start_owned_server
+    from trainer.store.events import load_events
 
     started = time.perf_counter()
     target, data = build(name, root)

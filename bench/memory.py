@@ -75,12 +75,12 @@ def child(args) -> None:
     from online_overhead import make_dataset
     from torch.profiler import ProfilerActivity, profile
 
-    import trainer.drafter  # noqa: F401  (imports before the baseline)
-    from trainer.config import config_from_dict
+    import trainer.drafter.model  # noqa: F401  (imports before the baseline)
+    from trainer.config.run import config_from_dict
     from trainer.demo.synth import tiny_target
-    from trainer.events import EventWriter
     from trainer.preflight.machine import estimate_memory
-    from trainer.target import TargetInfo
+    from trainer.store.events import EventWriter
+    from trainer.target.info import TargetInfo
     from trainer.training.distributed import setup_dist
     from trainer.training.loop import Trainer
 

@@ -39,7 +39,7 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from trainer.events import EventWriter
+from trainer.store.events import EventWriter
 
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
 GOALS = {"latency_ms": 1000.0, "tail_ms": 50.0, "rss_mb": 100.0}

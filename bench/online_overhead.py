@@ -66,8 +66,8 @@ def part_a(
     timed region ends with a synchronize, so a time is the device's work, not its launch."""
     import torch
 
-    from trainer.config import config_from_dict
-    from trainer.events import EventWriter
+    from trainer.config.run import config_from_dict
+    from trainer.store.events import EventWriter
     from trainer.training.distributed import setup_dist
     from trainer.training.loop import Trainer
 

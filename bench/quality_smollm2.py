@@ -82,7 +82,8 @@ def main() -> int:
         "--init",
         choices=("random", "target"),
         default="random",
-        help="drafter.init: target starts the layers as the target's last ones (trainer/drafter_init.py)",
+        help="drafter.init: target starts the layers as the target's last ones "
+        "(trainer/drafter/target_init.py)",
     )
     ap.add_argument("--block", type=int, default=8)
     ap.add_argument("--lr", type=float, default=3e-3)
@@ -250,8 +251,8 @@ def main() -> int:
     if not (untrained / "config.json").exists():
         import torch
 
-        from trainer.config import load_config
-        from trainer.drafter import build_drafter
+        from trainer.config.run import load_config
+        from trainer.drafter.model import build_drafter
 
         torch.manual_seed(0)
         build_drafter(load_config(here / "run.yaml"), torch.device("cpu")).save_pretrained(str(untrained))
@@ -265,7 +266,7 @@ def main() -> int:
         proc.send_signal(signal.SIGTERM)
         proc.wait()
     times["train"] = phase(f"train (exit {proc.returncode})", t0)
-    from trainer.events import load_events
+    from trainer.store.events import load_events
 
     step_events = [e for e in load_events(here / "run" / "events.jsonl") if e["event"] == "step"]
     ends = [e for e in load_events(here / "run" / "events.jsonl") if e["event"] == "run_end"]

@@ -35,7 +35,7 @@ sys.path.insert(0, str(REPO))
 
 
 def build_set(root: Path, large: int, large_mib: int, small: int) -> Path:
-    from trainer.manifest import create_manifest
+    from trainer.store.manifest import create_manifest
 
     set_dir = root / "set"
     for i in range(large):

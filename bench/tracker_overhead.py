@@ -102,9 +102,9 @@ def main() -> int:
 
     import numpy as np
 
-    from trainer.config import config_from_dict
+    from trainer.config.run import config_from_dict
     from trainer.demo.synth import greedy_dataset, tiny_target
-    from trainer.events import EventWriter, load_events
+    from trainer.store.events import EventWriter, load_events
     from trainer.trackers import missing_packages
     from trainer.training.distributed import setup_dist
     from trainer.training.loop import Trainer

@@ -63,7 +63,7 @@ def dflash(*args) -> subprocess.CompletedProcess:
 
 
 def part_a(work: Path, target: Path, data: Path, args) -> dict:
-    from trainer.capture import compare_captures
+    from trainer.sources.capture import compare_captures
 
     out = {}
     for dtype in ("float32", "bfloat16"):
@@ -88,7 +88,7 @@ def part_a(work: Path, target: Path, data: Path, args) -> dict:
 
 
 def steps_of(out_dir: Path) -> list[dict]:
-    from trainer.events import load_events
+    from trainer.store.events import load_events
 
     return [e for e in load_events(out_dir / "events.jsonl") if e["event"] == "step"]
 
@@ -103,7 +103,7 @@ def summarize(steps: list[dict], warm: int) -> dict:
 
 
 def part_b(work: Path, target: Path, data: Path, args) -> dict:
-    from trainer.config import load_config
+    from trainer.config.run import load_config
     from trainer.sources.vllm_server import OwnedServer, free_port
 
     hooked = make_config(work, target, data, "train-hooked", args)

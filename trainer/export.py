@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from trainer.errors import DflashError
-from trainer.fsutil import atomic_write_text, dir_size, sha256_file
+from trainer.store.fsutil import atomic_write_text, dir_size, sha256_file
 
 
 class ExportError(DflashError, ValueError):
@@ -87,9 +87,9 @@ def verifier_config(verifier: str) -> tuple[dict[str, Any], str]:
     """(the config.json of `--verifier`, where it was read): a local folder (or its config.json), an
     `hf://REPO@REVISION`, or a Hub repo id read from the local Hugging Face cache, else from the Hub
     (as `dflash init` and `dflash plan --target-config` find them)."""
-    from trainer.hub import HubError, fetch_file
+    from trainer.hub.pull import HubError, fetch_file
     from trainer.run_init import HUB_ID, hub_cache_snapshot
-    from trainer.target import ModelConfigError, read_config
+    from trainer.target.info import ModelConfigError, read_config
 
     path = Path(verifier).expanduser()
     try:
@@ -117,7 +117,7 @@ def check_verifier(verifier: str, target: Path, aux_ids: list[int]) -> str:
     """Refuse (exit 2) a `--verifier` that is not the model the drafter was trained for: its hidden
     size, vocabulary and layer count must be the training target's, and it must have the layers the
     drafter reads (aux_layer_ids). Returns where its config was read."""
-    from trainer.target import read_config
+    from trainer.target.info import read_config
 
     conf, where = verifier_config(verifier)
     trained = read_config(target)
@@ -153,10 +153,10 @@ def export(
     dtype: str | None = None,
     vllm_check: bool = False,
 ) -> dict[str, Any]:
-    from trainer.checkpoint import SUMS, read_meta, verify_checkpoint
     from trainer.eval.models import load_drafter, resolve_drafter_dir
     from trainer.eval.training_meta import training_data_meta
     from trainer.regenerate import DATA_META
+    from trainer.store.checkpoint import SUMS, read_meta, verify_checkpoint
 
     try:
         folder = resolve_drafter_dir(checkpoint)

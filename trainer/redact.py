@@ -1,6 +1,6 @@
 """The one home for keeping secrets out of what the package writes, serves or prints. Light side.
 
-Every sink goes through here: the event writer and train.log (trainer/events.py), every monitor view and
+Every sink goes through here: the event writer and train.log (trainer/store/events.py), every monitor view and
 `dflash status` / `summary` (trainer/monitor), the salvage inventory, NOTES.md and reports
 (trainer/salvage), and the CLI's error line (trainer/cli). Three entry points:
 

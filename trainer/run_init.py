@@ -20,7 +20,7 @@ What it writes, and by which rule (docs/start-a-run.md, "A run config for your m
   `<|reserved_special_token_247|>`). speculators' last resort, pad/eos, is refused (it degrades the
   drafter; preflight refuses it too). Without a tokenizer: the last row of the embedding (a padding
   row or a reserved token on the families in examples/), said so in the file.
-- `drafter.block_size` and the recipe's levers (`LEVERS`): the schema's own defaults (trainer/config.py,
+- `drafter.block_size` and the recipe's levers (`LEVERS`): the schema's own defaults (trainer/config/run.py,
   the one home of defaults), written out so they are in view; every other key is left out and takes
   its default, so `dflash plan` still chooses `train.shard`, `target.source` and the GPU split.
 - `target.path`, `data.path`, `out_dir`: relative to the file's folder when given relative (`out_dir`
@@ -47,13 +47,13 @@ from typing import Any
 
 import yaml
 
-from trainer.config import SCHEMA_VERSION, DataConfig, DrafterConfig, TrainConfig, config_from_text
+from trainer.config.run import SCHEMA_VERSION, DataConfig, DrafterConfig, TrainConfig, config_from_text
 from trainer.errors import DflashError
-from trainer.fsutil import atomic_write_text
 from trainer.preflight.drafter import aux_gate, drafter_gate, mask_token_problems, suggest_aux_ids
 from trainer.preflight.report import PreflightReport
-from trainer.target import ModelConfigError, TargetInfo, read_config
-from trainer.tokenizer_files import TokenizerFiles
+from trainer.store.fsutil import atomic_write_text
+from trainer.target.info import ModelConfigError, TargetInfo, read_config
+from trainer.target.tokenizer import TokenizerFiles
 
 AUX_COUNT = 5  # target layers the drafter reads: z-lab's and SpecForge's DFlash recipes
 LEVERS = {  # section -> keys written with the schema's default (the recipe: what `dflash plan` sizes)

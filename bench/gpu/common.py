@@ -418,9 +418,9 @@ def predict(cfg_path: Path, cuda: bool) -> dict:
     """The memory model's bytes per device for this run config (world size 1), by part, in GiB, and
     what torch's allocator can see of it (all but the runtime reserve: CUDA context, library
     workspaces)."""
-    from trainer.config import load_config
+    from trainer.config.run import load_config
     from trainer.preflight.machine import estimate_memory
-    from trainer.target import TargetInfo
+    from trainer.target.info import TargetInfo
 
     run = load_config(cfg_path)
     parts = estimate_memory(run, TargetInfo.from_folder(run.target.path), cuda, world_size=1)

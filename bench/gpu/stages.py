@@ -70,8 +70,8 @@ def summarise_run(ctx: Ctx, cfg: Path, log_text: str, target_in_process: bool = 
     """The figures of a finished `dflash train` (its step events) beside the memory model's prediction."""
     import torch
 
-    from trainer.config import load_config
-    from trainer.events import load_events
+    from trainer.config.run import load_config
+    from trainer.store.events import load_events
 
     run = load_config(cfg)
     events = load_events(run.out_dir / "events.jsonl")
@@ -223,7 +223,7 @@ def copy2(ctx: Ctx, sampler: PeakSampler, timeout: float) -> dict:
 
 
 def _layout(ctx: Ctx, name: str) -> dict:
-    from trainer.events import load_events
+    from trainer.store.events import load_events
 
     events = load_events(ctx.work / name / "events.jsonl")
     return next((e for e in events if e["event"] == "run_start"), {}).get("layout", {})

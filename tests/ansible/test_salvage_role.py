@@ -18,8 +18,8 @@ import pytest
 
 from tests.conftest import write_config
 from tests.s3servers import TEST_ACCESS_KEY, TEST_SECRET_KEY, client
-from trainer.checkpoint import read_latest, verify_checkpoint
-from trainer.events import load_events
+from trainer.store.checkpoint import read_latest, verify_checkpoint
+from trainer.store.events import load_events
 
 pytestmark = pytest.mark.slow
 FAST = {"max_tokens_per_batch": 256, "max_anchors": 32, "lr": 1.0e-3, "warmup_steps": 2}

@@ -20,7 +20,7 @@ import yaml
 from tests.ansible.test_trainer_service import wait_for
 from tests.integration.test_train import ENV
 from tests.s3servers import TEST_ACCESS_KEY, TEST_SECRET_KEY, client
-from trainer.events import load_events
+from trainer.store.events import load_events
 
 STEPS, EVERY = 100, 10
 

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from tests.ansible.conftest import ROLE_PLAYBOOK as ROLE
-from trainer.events import load_events
+from trainer.store.events import load_events
 
 # a tracker's token as the vault would give it, with what the service files must quote: $ " \ ` and
 # supervisord's %

@@ -12,7 +12,7 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-from trainer.config import TrainConfig
+from trainer.config.run import TrainConfig
 from trainer.training.budget import BudgetControl
 from trainer.training.distributed import Dist, gather_objects, max_over_ranks
 from trainer.training.state import BudgetSchedule

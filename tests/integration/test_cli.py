@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from trainer.events import load_events
+from trainer.store.events import load_events
 
 ENV_PY = sys.executable
 

@@ -17,12 +17,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.conftest import tiny_prompts
-from trainer.checkpoint import read_latest, read_meta
 from trainer.eval.harness import CachedDrafter, speculate, target_greedy
 from trainer.eval.models import HookedTarget, aux_ids_of, load_drafter, speculators_folder
 from trainer.eval.prompts import write_prompt_file
 from trainer.eval.reference import ReferenceTarget, training_path_logits
-from trainer.events import load_events
+from trainer.store.checkpoint import read_latest, read_meta
+from trainer.store.events import load_events
 
 pytestmark = pytest.mark.slow
 
@@ -106,8 +106,8 @@ def test_a_target_loaded_with_a_device_map_gives_the_same_tokens(loaded, tiny_ta
 def test_sliding_window_layers_get_the_training_mask(tiny_target, one_thread):
     """Cached block logits == speculators' training forward for a drafter with a sliding-window
     layer (window 3) and a full one, causal and non-causal; the mask matters past the window."""
-    from trainer.config import config_from_dict
-    from trainer.drafter import build_drafter
+    from trainer.config.run import config_from_dict
+    from trainer.drafter.model import build_drafter
     from trainer.eval import harness
 
     raw = {

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from tests.families import build_qwen3_5_text, build_qwen3_5_vlm
-from trainer.target import read_weight_headers
+from trainer.target.info import read_weight_headers
 
 pytestmark = pytest.mark.slow
 

@@ -17,13 +17,13 @@ import torch
 
 from tests.conftest import tiny_prompts
 from tests.integration.test_eval import dflash_here
-from trainer.checkpoint import read_latest
 from trainer.eval import harness
 from trainer.eval.checkpoint_eval import evaluate_one
 from trainer.eval.models import HookedTarget, aux_ids_of, crop_cache
 from trainer.eval.options import EvalOptions
 from trainer.eval.prompts import TemplateSettings, write_prompt_file
 from trainer.eval.report import render_markdown
+from trainer.store.checkpoint import read_latest
 
 pytestmark = pytest.mark.slow
 

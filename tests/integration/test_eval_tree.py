@@ -13,10 +13,10 @@ import torch
 
 from tests.conftest import tiny_prompts, train_tiny_drafter
 from tests.integration.conftest import cli_in_process
-from trainer.checkpoint import read_latest
 from trainer.eval.harness import CachedDrafter, accepted_count, speculate, target_greedy
 from trainer.eval.models import HookedTarget, aux_ids_of, load_drafter
 from trainer.eval.tree import accept_path, build_tree, speculate_tree, tree_mask
+from trainer.store.checkpoint import read_latest
 
 pytestmark = pytest.mark.slow
 
@@ -137,7 +137,7 @@ def test_eval_cli_reports_trees_beside_the_chain(trained_drafter, tiny_target, t
 
     from trainer.cli import main
     from trainer.eval.prompts import write_prompt_file
-    from trainer.events import load_events
+    from trainer.store.events import load_events
 
     prompts = write_prompt_file(tmp_path / "p.jsonl", [{"input_ids": p} for p in tiny_prompts(3, seed=5)])
     out = tmp_path / "r.json"

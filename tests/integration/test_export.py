@@ -14,9 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from trainer.checkpoint import STATE, read_latest
 from trainer.eval.models import load_drafter
 from trainer.export import probe_logits
+from trainer.store.checkpoint import STATE, read_latest
 
 pytestmark = pytest.mark.slow
 
@@ -147,8 +147,8 @@ def test_a_verifier_the_drafter_was_not_trained_for_is_refused(trained_drafter, 
 def test_the_latest_pointer_is_a_checkpoint_path_everywhere(trained_drafter, tmp_path):
     """RUN/checkpoints/latest (a file naming the newest checkpoint, or a link to it), RUN/checkpoints
     and RUN all name the newest checkpoint, for export (--checkpoint) and eval (--drafter) alike."""
-    from trainer.checkpoint import LATEST, checkpoints_dir, resolve_checkpoint
     from trainer.eval.models import ModelError, resolve_drafter_dir
+    from trainer.store.checkpoint import LATEST, checkpoints_dir, resolve_checkpoint
 
     newest = read_latest(trained_drafter)
     pointer = checkpoints_dir(trained_drafter) / LATEST

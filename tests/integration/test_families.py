@@ -27,8 +27,8 @@ import torch
 
 import tests.families as fam
 from tests.integration.conftest import dflash_here as dflash
-from trainer.checkpoint import read_latest
-from trainer.config import load_config
+from trainer.config.run import load_config
+from trainer.store.checkpoint import read_latest
 
 pytestmark = pytest.mark.slow
 
@@ -102,7 +102,7 @@ def test_preflight_takes_the_config_init_wrote(run):
 
 
 def test_train_hooked(run, trained):
-    from trainer.events import load_events
+    from trainer.store.events import load_events
 
     res = trained
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]

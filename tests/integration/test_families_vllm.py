@@ -31,7 +31,7 @@ import time
 import pytest
 
 from tests.families import SERVED, TOKENIZER_SIZE
-from trainer.config import load_config
+from trainer.config.run import load_config
 
 pytestmark = pytest.mark.slow
 

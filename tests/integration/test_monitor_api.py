@@ -19,10 +19,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import wait_for
-from trainer.events import EventWriter
 from trainer.monitor.alerts import Thresholds
 from trainer.monitor.runs import Hub
 from trainer.monitor.server import MonitorError, MonitorServer
+from trainer.store.events import EventWriter
 
 SECRET = "hf_" + "S3cr3t" * 6
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
@@ -160,7 +160,7 @@ def test_status_events_log_and_curves(tmp_path, served):
 def test_process_gone_without_run_end(tmp_path, served):
     """A real process writes run_start with its pid and steps, then dies by kill -9 (no run_end)."""
     code = (
-        "import os, sys, time\nfrom pathlib import Path\nfrom trainer.events import EventWriter\n"
+        "import os, sys, time\nfrom pathlib import Path\nfrom trainer.store.events import EventWriter\n"
         "w = EventWriter(Path(sys.argv[1]), 'victim')\n"
         "w.emit('run_start', totals={'total_steps': 100, 'total_tokens': 1000}, pid=os.getpid())\n"
         "for s in range(1, 4):\n    w.emit('step', step=s, total_steps=100, tokens=10 * s, loss=1.0)\n"

@@ -23,10 +23,10 @@ from playwright.sync_api import expect, sync_playwright
 
 from tests.conftest import write_config
 from tests.integration.test_monitor_api import fake_nvidia_smi
-from trainer.events import EventWriter
 from trainer.monitor.alerts import Thresholds
 from trainer.monitor.runs import Hub
 from trainer.monitor.server import MonitorServer
+from trainer.store.events import EventWriter
 
 pytestmark = pytest.mark.slow
 

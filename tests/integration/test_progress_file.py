@@ -1,10 +1,10 @@
-"""A long step's progress file (trainer/progress_file.py) and `dflash progress`: against the Hub stand-in
-(tests/hubserver.py) with a real `dflash hub pull --progress-file`: mid-way it says the bytes landed of
-the bytes to move, a rate and an ETA; it ends `done` with every byte; a pull killed mid-way reads `gone`;
-`--wait` answers when the pull ends, not at the end of its wait. A push's counted bytes (what `salvage
-push --progress-file` feeds; the real push on radosgw: test_salvage.py's end-to-end). The venv install's
-watcher (`python -m trainer.progress_file run|wait`, python_env's tasks/install.yml) around the real uv,
-from the source alone: bytes and rate, no ETA; a uv failure ends the file with uv's own last line."""
+"""A long step's progress file (trainer/store/progress_file.py) and `dflash progress`: against the Hub
+stand-in (tests/hubserver.py) with a real `dflash hub pull --progress-file`: mid-way it says the bytes landed
+of the bytes to move, a rate and an ETA; it ends `done` with every byte; a pull killed mid-way reads `gone`;
+`--wait` answers when the pull ends, not at the end of its wait. A push's counted bytes (what `salvage push
+--progress-file` feeds; the real push on radosgw: test_salvage.py's end-to-end). The venv install's watcher
+(`python -m trainer.store.progress_file run|wait`, python_env's tasks/install.yml) around the real uv, from
+the source alone: bytes and rate, no ETA; a uv failure ends the file with uv's own last line."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import zipfile
 from pathlib import Path
 
 from tests.integration.test_hub_pull import DFLASH, REPO, SHARD, MiB, env, repo_dir, standin  # noqa: F401
-from trainer.progress_file import ProgressFile, counting
+from trainer.store.progress_file import ProgressFile, counting
 
 SRC = Path(__file__).resolve().parents[2]  # the trainer's source, as python_env syncs it to a node
 UV = Path(sys.executable).parent / "uv"
@@ -154,7 +154,7 @@ def watcher(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     """The watcher as python_env runs it on a node where dflash is not installed: the synced source on
     PYTHONPATH, run from elsewhere."""
     return subprocess.run(
-        [sys.executable, "-m", "trainer.progress_file", *args],
+        [sys.executable, "-m", "trainer.store.progress_file", *args],
         env={**os.environ, "PYTHONPATH": str(SRC)},
         cwd=cwd,
         capture_output=True,
@@ -194,7 +194,15 @@ def test_the_venv_install_watcher_says_bytes_and_rate_and_ends_with_uvs_own_last
     # mid-way (a slow step: files land every 0.6 s): bytes and a rate, no total, so no ETA, said so
     slow = "for i in 1 2 3 4; do head -c 3000000 /dev/urandom > $0/f$i; sleep 0.6; done"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "trainer.progress_file", "run", str(pfile), "--label", "uv install (slow)"]
+        [
+            sys.executable,
+            "-m",
+            "trainer.store.progress_file",
+            "run",
+            str(pfile),
+            "--label",
+            "uv install (slow)",
+        ]
         + ["--measure", str(venv), "--every", "0.2", "--", "sh", "-c", slow, str(venv)],
         env={**os.environ, "PYTHONPATH": str(SRC)},
         cwd=tmp_path,
@@ -233,7 +241,7 @@ def test_the_venv_install_watcher_says_bytes_and_rate_and_ends_with_uvs_own_last
         str(venv),
     ]
     res = subprocess.run(
-        [sys.executable, "-m", "trainer.progress_file", *run, "--", *uv, "bulky"],
+        [sys.executable, "-m", "trainer.store.progress_file", *run, "--", *uv, "bulky"],
         env={**uv_env, "PYTHONPATH": str(SRC)},
         cwd=tmp_path,
         capture_output=True,
@@ -248,7 +256,7 @@ def test_the_venv_install_watcher_says_bytes_and_rate_and_ends_with_uvs_own_last
     assert end["line"].startswith("uv install (bulky): ") and ", done, " in end["line"], end["line"]
     # a package the wheel folder lacks: uv's resolution error, its last line is the file's error
     res = subprocess.run(
-        [sys.executable, "-m", "trainer.progress_file", *run, "--", *uv, "no-such-package-here"],
+        [sys.executable, "-m", "trainer.store.progress_file", *run, "--", *uv, "no-such-package-here"],
         env={**uv_env, "PYTHONPATH": str(SRC)},
         cwd=tmp_path,
         capture_output=True,

@@ -142,7 +142,7 @@ class RecordingBackend:
 
 
 def test_dataset_format_mask_stop_rule_metadata_and_data_gate(chat_target, tmp_path):
-    from trainer.config import load_config
+    from trainer.config.run import load_config
     from trainer.eval.prompts import load_tokenizer
     from trainer.preflight import run_preflight
 
@@ -387,9 +387,9 @@ def test_batches_pushed_to_s3_let_a_fresh_node_go_on_and_the_monitor_follows(
     verified), generates only the other 3 and pushes the dataset; the result is the dataset a run
     without interruption writes. The event stream says where the run is at every point."""
     from tests.s3servers import s3_env
-    from trainer.events import read_events
-    from trainer.monitor.state import state_from_events
     from trainer.s3.pull import pull
+    from trainer.store.events import read_events
+    from trainer.store.run_state import state_from_events
 
     for k, v in s3_env({}).items():
         monkeypatch.setenv(k, v)
@@ -634,7 +634,7 @@ def test_sharegpt_to_prompts_to_regenerate_every_assistant_turn_is_the_targets(c
     `dflash prompts` -> `dflash regenerate` -> every assistant turn in the dataset is the target's, the
     original answers appear nowhere, and the report counts what was dropped."""
     from trainer.cli import main
-    from trainer.config import load_config
+    from trainer.config.run import load_config
     from trainer.eval.prompts import load_tokenizer
     from trainer.preflight import run_preflight
 

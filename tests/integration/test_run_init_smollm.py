@@ -6,7 +6,7 @@ tokenizer fills the embedding, so the rule takes an unused special token outside
 from __future__ import annotations
 
 from trainer.cli import main
-from trainer.config import load_config
+from trainer.config.run import load_config
 from trainer.preflight import run_preflight
 
 

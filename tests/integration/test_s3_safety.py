@@ -153,8 +153,8 @@ def test_a_symlink_entry_meeting_a_real_folder_is_one_clear_line(tmp_path, rgw):
 def _referencing_set(tmp_path, rgw) -> tuple[str, str]:
     """A salvage set at B pushed with --reference to an earlier set at A: B's manifest keeps its big
     file at A (`locations`)."""
-    from trainer.manifest import MANIFEST_NAME, create_manifest
     from trainer.s3.push import push
+    from trainer.store.manifest import MANIFEST_NAME, create_manifest
 
     big = os.urandom(2**20)
     a, b = tmp_path / "a", tmp_path / "b"
@@ -211,9 +211,9 @@ def test_a_location_outside_the_prefix_is_refused_unless_allowed(tmp_path, rgw):
 def test_push_asks_every_key_it_writes_not_only_the_listed_ones(tmp_path, rgw):
     """Another set's push lands at one of this set's keys after this push looked at the prefix (the
     first HEAD it sends): the push still finds it and refuses; the other set's object stays."""
-    from trainer.manifest import MANIFEST_NAME, create_manifest
     from trainer.s3 import S3Error
     from trainer.s3.push import push
+    from trainer.store.manifest import MANIFEST_NAME, create_manifest
 
     ours = tmp_path / "ours"
     ours.mkdir()

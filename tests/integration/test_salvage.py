@@ -29,8 +29,8 @@ from tests.s3servers import (
     client,
     s3_env,
 )
-from trainer.checkpoint import list_checkpoints, read_latest, verify_checkpoint
-from trainer.events import load_events
+from trainer.store.checkpoint import list_checkpoints, read_latest, verify_checkpoint
+from trainer.store.events import load_events
 
 pytestmark = pytest.mark.slow
 
@@ -666,8 +666,8 @@ def test_bad_input_is_refused_before_any_work(tmp_path, finished_run):
 def test_stop_timeout_is_loud_and_a_dead_run_is_said(tmp_path):
     """A process that ignores SIGTERM stands in for a trainer stuck in a hung collective (its pid and
     start ticks in run_start, as the trainer writes them)."""
-    from trainer.events import EventWriter
     from trainer.salvage.proc import identity
+    from trainer.store.events import EventWriter
 
     stuck = subprocess.Popen(
         [
@@ -698,8 +698,8 @@ def test_stop_timeout_is_loud_and_a_dead_run_is_said(tmp_path):
 def test_stop_never_signals_an_unrelated_process_behind_a_stale_pid(tmp_path):
     """A trainer killed -9 leaves a run_start naming its pid; the pid is later taken by an unrelated
     long-lived process. Before: `salvage stop` saw a live pid older than the event and SIGTERMed it."""
-    from trainer.events import EventWriter
     from trainer.salvage.proc import identity
+    from trainer.store.events import EventWriter
 
     unrelated = subprocess.Popen(["sleep", "300"])  # stands in for the process that reused the pid
     try:
@@ -745,7 +745,7 @@ def test_stop_ends_the_runs_own_vllm_server_left_behind_by_a_crashed_trainer(tmp
     """A target.source vllm run records the server it started (run_start layout.source_server_pid). Its
     trainer killed -9 leaves that server running, holding the target's GPUs: salvage stop stops it (no
     --stop-unknown needed), while another vLLM server on the node is only reported."""
-    from trainer.events import EventWriter
+    from trainer.store.events import EventWriter
 
     script = tmp_path / "vllm_serve_standin.py"  # a python program whose name says vllm, as a server's does
     script.write_text("import time\nprint('ready', flush=True)\nwhile True: time.sleep(1)\n")

@@ -31,7 +31,7 @@ from tests.integration.test_salvage import (  # noqa: F401 - finished_run is a f
     keys,
 )
 from tests.s3servers import client, s3_env
-from trainer.checkpoint import read_latest
+from trainer.store.checkpoint import read_latest
 
 pytestmark = pytest.mark.slow
 

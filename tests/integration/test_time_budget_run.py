@@ -15,7 +15,7 @@ import pytest
 
 from tests.conftest import wait_for
 from tests.integration.test_train import ENV, cfg_file, events_of, run_train
-from trainer.checkpoint import read_latest
+from trainer.store.checkpoint import read_latest
 from trainer.training.budget import JITTER_S
 
 pytestmark = pytest.mark.slow

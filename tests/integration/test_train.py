@@ -18,8 +18,8 @@ import torch
 from safetensors.torch import load_file
 
 from tests.conftest import wait_for, write_config
-from trainer.checkpoint import list_checkpoints, read_latest, verify_checkpoint, write_sums
-from trainer.events import load_events
+from trainer.store.checkpoint import list_checkpoints, read_latest, verify_checkpoint, write_sums
+from trainer.store.events import load_events
 
 pytestmark = pytest.mark.slow
 

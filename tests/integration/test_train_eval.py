@@ -18,8 +18,8 @@ import pytest
 from tests.integration.conftest import dflash_here as train_here
 from tests.integration.test_train import cfg_file, events_of
 from tests.integration.trackers_readback import REPORT_TO, assert_each_tracker_holds
-from trainer.checkpoint import list_checkpoints
-from trainer.events import load_events
+from trainer.store.checkpoint import list_checkpoints
+from trainer.store.events import load_events
 
 pytestmark = pytest.mark.slow
 
@@ -96,8 +96,8 @@ def test_tau_events_at_the_cadence_equal_dflash_eval_and_reach_every_tracker(
     assert evals[0]["report"] == str(out / "evals" / "step-00000002" / "report.json")
 
     # the monitor's τ curve and salvage's best-by-τ read these events
-    from trainer.monitor.state import state_from_events
     from trainer.salvage.select import best_by_tau
+    from trainer.store.run_state import state_from_events
 
     events = load_events(out / "events.jsonl")
     st = state_from_events(events)

@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from tests.conftest import wait_for
 from tests.integration.conftest import dflash_here
 from tests.integration.test_train import ENV, cfg_file, events_of, final_weights
-from trainer.checkpoint import read_latest
+from trainer.store.checkpoint import read_latest
 
 pytestmark = pytest.mark.slow
 

@@ -22,8 +22,8 @@ import torch
 from safetensors.torch import load_file
 
 from tests.conftest import tiny_prompts, wait_for, write_config
-from trainer.checkpoint import load_trainer_state, read_latest
-from trainer.events import load_events
+from trainer.store.checkpoint import load_trainer_state, read_latest
+from trainer.store.events import load_events
 
 pytestmark = pytest.mark.slow
 
@@ -83,7 +83,7 @@ def hs_server(hs_target, tmp_path_factory):
 def test_vllm_features_equal_the_hooked_ones(hs_server, hs_target, tmp_path):
     """`dflash capture` through the hooked target and through the server: the same aux layers and
     last hidden state (fp32 on CPU; measured here: relative differences below 1e-6)."""
-    from trainer.capture import compare_captures
+    from trainer.sources.capture import compare_captures
 
     cfg = config(tmp_path, hs_target, "run", target={"vllm": {"url": hs_server}})
     hooked, served = tmp_path / "hooked.safetensors", tmp_path / "vllm.safetensors"
@@ -133,12 +133,12 @@ ROPE = {  # config.json changes -> the context vLLM derives (its ModelConfig, in
 
 
 def test_the_context_limit_preflight_derives_is_the_one_vllm_derives(hs_target, tmp_path):
-    """trainer/sources/vllm_target.py mirrors vLLM's derivation of max_model_len; vLLM's own ModelConfig
+    """trainer/preflight/vllm_request.py mirrors vLLM's derivation of max_model_len; vLLM's own ModelConfig
     on the same config.json files agrees (a vLLM upgrade that changes it fails here). About 20 s."""
     import shutil
 
-    from trainer.sources.vllm_target import context_limit
-    from trainer.target import read_config
+    from trainer.preflight.vllm_request import context_limit
+    from trainer.target.info import read_config
 
     folders = {}
     for name, change in ROPE.items():

@@ -30,18 +30,35 @@ LIGHT = (
     "trainer.cli.salvage",
     "trainer.cli.watch",
     "trainer.config",
-    "trainer.config_section",
-    "trainer.config_train",
+    "trainer.config.duration",
+    "trainer.config.eval",
+    "trainer.config.run",
+    "trainer.config.schema",
+    "trainer.config.section",
+    "trainer.config.train",
+    "trainer.config.user_yaml",
     "trainer.errors",
-    "trainer.events",
-    "trainer.fsutil",
-    "trainer.manifest",
-    "trainer.node_marker",
+    "trainer.store",
+    "trainer.store.checkpoint",
+    "trainer.store.events",
+    "trainer.store.fsutil",
+    "trainer.store.manifest",
+    "trainer.store.node_marker",
+    "trainer.store.progress_file",
+    "trainer.store.run_state",
     "trainer.target",
-    "trainer.checkpoint",
+    "trainer.target.info",
+    "trainer.target.tokenizer",
+    "trainer.drafter",  # the package alone: its modules are the heavy side
+    "trainer.sources",  # likewise
+    "trainer.hub",
+    "trainer.hub.card",
+    "trainer.hub.pull",
+    "trainer.hub.push",
     "trainer.preflight",
     "trainer.preflight.disk",
     "trainer.preflight.trackers",
+    "trainer.preflight.vllm_request",
     "trainer.trackers",
     "trainer.trackers.clients",
     "trainer.trackers.follow",
@@ -51,10 +68,8 @@ LIGHT = (
     "trainer.eval.options",
     "trainer.eval.record",
     "trainer.eval.lossless",
-    "trainer.training.eval_config",
     "trainer.training.evaluation",
     "trainer.eval.training_meta",
-    "trainer.tokenizer_files",
     "trainer.layout.disk",
     "trainer.layout.sandbox",
     "trainer.layout.gpus",
@@ -65,22 +80,19 @@ LIGHT = (
     "trainer.layout.plan",
     "trainer.layout.recipe",
     "trainer.layout.report",
+    "trainer.layout.server_tap",
     "trainer.layout.sizing",
     "trainer.layout.split",
     "trainer.monitor.alerts",
     "trainer.monitor.metrics",
     "trainer.monitor.runs",
     "trainer.monitor.server",
-    "trainer.monitor.state",
     "trainer.monitor.status",
     "trainer.monitor.summary",
     "trainer.training.budget",
     "trainer.s3.client",
     "trainer.s3.pull",
     "trainer.s3.push",
-    "trainer.hub",
-    "trainer.hub_push",
-    "trainer.hub_card",
     "trainer.eval.benchmarks",
     "trainer.eval.prompts",
     "trainer.salvage.collect",
@@ -97,13 +109,18 @@ LIGHT = (
 BARE = (
     "trainer.cli",
     "trainer.config",
-    "trainer.config_section",
-    "trainer.config_train",
+    "trainer.config.duration",
+    "trainer.config.eval",
+    "trainer.config.run",
+    "trainer.config.section",
+    "trainer.config.train",
     "trainer.errors",
-    "trainer.events",
-    "trainer.manifest",
+    "trainer.store",
+    "trainer.store.events",
+    "trainer.store.manifest",
     "trainer.target",
-    "trainer.tokenizer_files",
+    "trainer.target.info",
+    "trainer.target.tokenizer",
     "trainer.layout.gpus",
     "trainer.layout.hardware",
     "trainer.layout.hooked",
@@ -112,6 +129,7 @@ BARE = (
     "trainer.layout.plan",
     "trainer.layout.recipe",
     "trainer.layout.report",
+    "trainer.layout.server_tap",
     "trainer.layout.sizing",
     "trainer.layout.split",
     "trainer.cli.node",
@@ -190,12 +208,14 @@ def test_no_module_imports_another_modules_private_names():
 def test_the_private_name_check_sees_both_forms(tmp_path):
     # the check itself must be able to fail: both spellings of a private import are found
     probe = tmp_path / "probe.py"
-    probe.write_text("from trainer.manifest import _excluded\nimport trainer.fsutil as f\nf._hidden()\n")
+    probe.write_text(
+        "from trainer.store.manifest import _excluded\nimport trainer.store.fsutil as f\nf._hidden()\n"
+    )
     hits = private_imports(probe)
     assert (
         len(hits) == 2
-        and "trainer.manifest import _excluded" in hits[0]
-        and "trainer.fsutil._hidden" in hits[1]
+        and "trainer.store.manifest import _excluded" in hits[0]
+        and "trainer.store.fsutil._hidden" in hits[1]
     )
 
 

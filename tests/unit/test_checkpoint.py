@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from trainer import checkpoint as ckpt
+from trainer.store import checkpoint as ckpt
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -56,8 +56,7 @@ import sys, time
 from pathlib import Path
 from safetensors.torch import save_file
 import torch
-from trainer import checkpoint as ckpt
-
+from trainer.store import checkpoint as ckpt
 class Stuck:
     def state_dict(self):
         return {"fc.weight": torch.zeros(8, 8)}

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.config import load_config
+from trainer.config.run import load_config
 
 T, ANCHORS, CHUNK = 64, 8, 5  # 8 anchors x block 4 = 32 query rows; chunks of 5 leave a ragged last one
 
@@ -52,7 +52,7 @@ def _run(module, params, inputs, loss_config, seed: int = 1, weights: str = "fix
 def test_chunked_loss_equals_the_unchunked_forward(make_config, loss, weights):
     from speculators.losses import resolve_loss_config
 
-    from trainer.drafter import build_drafter
+    from trainer.drafter.model import build_drafter
     from trainer.training.chunked_loss import ChunkedDraftLoss
 
     d = build_drafter(load_config(make_config(drafter={"block_size": 4})), torch.device("cpu"))
@@ -89,7 +89,7 @@ def test_no_vocabulary_wide_tensor_is_made_or_kept(make_config):
     saves no [rows, vocab] tensor for the backward; the unchunked forward does both (the control)."""
     from speculators.losses import resolve_loss_config
 
-    from trainer.drafter import build_drafter
+    from trainer.drafter.model import build_drafter
     from trainer.training.chunked_loss import ChunkedDraftLoss
 
     rows = ANCHORS * 4
@@ -118,7 +118,7 @@ def test_no_vocabulary_wide_tensor_is_made_or_kept(make_config):
 
 
 def test_chunk_rows_below_one_are_refused(make_config):
-    from trainer.drafter import build_drafter
+    from trainer.drafter.model import build_drafter
     from trainer.training.chunked_loss import ChunkedDraftLoss
 
     d = build_drafter(load_config(make_config()), torch.device("cpu"))
@@ -140,7 +140,7 @@ def test_chunked_backbone_is_compiled_where_speculators_compiles(make_config, mo
     from torch._dynamo.utils import counters
     from torch.nn.attention import flex_attention as fa
 
-    from trainer.drafter import build_drafter
+    from trainer.drafter.model import build_drafter
     from trainer.training import chunked_loss as cl
 
     d = build_drafter(load_config(make_config(drafter={"block_size": 4})), torch.device("cpu"))

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from trainer.config import ConfigError, apply_overrides, load_config
-from trainer.config_schema import schema_reference
+from trainer.config.run import ConfigError, apply_overrides, load_config
+from trainer.config.schema import schema_reference
 
 MINIMAL = {
     "target": {"path": "target"},
@@ -134,7 +134,7 @@ def test_schema_reference_lists_every_leaf_key():
 
 def test_docs_reference_lists_the_current_schema():
     from tests.conftest import REPO
-    from trainer.config_schema import schema_markdown
+    from trainer.config.schema import schema_markdown
 
     page = (REPO / "docs" / "reference" / "config.md").read_text()
     assert schema_markdown() in page, (
@@ -144,7 +144,7 @@ def test_docs_reference_lists_the_current_schema():
 
 # ---------------------------------------------------------------- finite numbers, declared ranges
 def _float_fields():
-    from trainer.config_schema import float_fields
+    from trainer.config.schema import float_fields
 
     return float_fields()
 
@@ -212,7 +212,7 @@ def test_every_float_key_declares_a_range_its_default_keeps_and_values_past_it_a
     refused naming the key."""
     import annotated_types as at
 
-    from trainer.config_schema import bounds
+    from trainer.config.schema import bounds
 
     field = dict(_float_fields())[key]
     declared = bounds(field)
@@ -238,7 +238,7 @@ def test_set_overrides_refuse_nonfinite_numbers_too(tmp_path):
 
 
 def test_the_reference_page_gives_each_float_its_range():
-    from trainer.config_schema import schema_markdown
+    from trainer.config.schema import schema_markdown
 
     rows = {line.split("|")[1].strip(" `"): line for line in schema_markdown().splitlines()[2:]}
     assert "`(0, 1]`" in rows["train.lr"] and "`[0, 1)`" in rows["train.betas"]
@@ -289,7 +289,7 @@ def test_merge_keys_still_override_and_distinct_keys_still_load(tmp_path):
         + "trackers:\n  project: x\n"
     )
     assert load_config(path).preflight.max_bad_fraction == 0.2
-    from trainer.user_yaml import safe_load
+    from trainer.config.user_yaml import safe_load
 
     assert safe_load("base: &b {x: 1, y: 2}\nd:\n  <<: *b\n  x: 3\n")["d"] == {"x": 3, "y": 2}
 
@@ -297,7 +297,7 @@ def test_merge_keys_still_override_and_distinct_keys_still_load(tmp_path):
 def test_user_yaml_names_keys_through_sequences_and_equal_scalars():
     import yaml as pyyaml
 
-    from trainer.user_yaml import DuplicateKeyError, TooDeepError, safe_load
+    from trainer.config.user_yaml import DuplicateKeyError, TooDeepError, safe_load
 
     with pytest.raises(
         DuplicateKeyError, match=r"duplicate key hosts\[1\]\.port on line 5 \(first on line 4\)"

@@ -54,7 +54,7 @@ def test_the_sitecustomize_it_shadows_still_runs_and_the_path_is_not_doubled(tmp
 
 
 def test_the_owned_cpu_servers_environment_carries_it(make_config):
-    from trainer.config import load_config
+    from trainer.config.run import load_config
     from trainer.sources.vllm_server import owned_server_command, server_environment
 
     cfg = load_config(make_config(), ["target.source=vllm"])

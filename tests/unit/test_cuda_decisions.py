@@ -89,7 +89,7 @@ def test_the_start_up_timeout_covers_rank_0s_server_start(make_config, monkeypat
     from datetime import timedelta
     from types import SimpleNamespace
 
-    from trainer.config import load_config
+    from trainer.config.run import load_config
     from trainer.training import distributed as D
 
     sets = ["train.collective_timeout_s=900", "target.vllm.start_timeout_s=900"]
@@ -133,7 +133,7 @@ def test_end_startup_sets_a_real_gloo_groups_timeout_back(make_config, tmp_path)
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _get_default_group
 
-    from trainer.config import load_config
+    from trainer.config.run import load_config
     from trainer.training import distributed as D
 
     cfg = load_config(make_config(), ["target.source=vllm", "train.collective_timeout_s=900"])
@@ -214,7 +214,7 @@ def test_the_fused_losss_kernels_get_configs_lists_of_their_own(monkeypatch):
     import triton  # noqa: F401  (pinned in the venv: speculators' fused loss is Triton)
     from speculators.losses import fused
 
-    from trainer.drafter import loss_implementation
+    from trainer.drafter.model import loss_implementation
 
     shared = list(fused.loss_forward_kernel.configs)
     monkeypatch.setattr(fused.loss_backward_kernel, "configs", fused.loss_forward_kernel.configs)

@@ -72,7 +72,7 @@ def test_auto_on_a_machine_without_gpus_trains_on_the_cpu_and_says_why(
 ):
     import torch
 
-    from trainer.config import load_config
+    from trainer.config.run import load_config
     from trainer.preflight import run_preflight
     from trainer.training.distributed import setup_dist
 

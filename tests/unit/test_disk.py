@@ -13,13 +13,13 @@ from safetensors.numpy import save_file
 
 from tests.conftest import real_tmpfs
 from tests.unit.test_plan import QWEN, SEEDS_RUN, doc_lines, plan_in_process, write_config
-from trainer.config import load_config
+from trainer.config.run import load_config
 from trainer.layout import disk
 from trainer.layout.disk import GB
 from trainer.layout.recipe import read_target, shapes
 from trainer.preflight.disk import disk_gate
 from trainer.preflight.report import PreflightReport
-from trainer.target import TargetInfo
+from trainer.target.info import TargetInfo
 
 CONF = {"model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 1000}  # fmt: skip

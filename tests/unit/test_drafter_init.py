@@ -1,4 +1,4 @@
-"""`drafter.init: target` (trainer/drafter_init.py): the drafter's layers start as the target's last
+"""`drafter.init: target` (trainer/drafter/target_init.py): the drafter's layers start as the target's last
 layers, on real tiny Qwen3 and Llama targets built on the spot; a target whose last layers cannot be
 copied is refused by preflight (exit 2) and again at the build, naming the tensor."""
 
@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from trainer.config import load_config
-from trainer.drafter import build_drafter
-from trainer.drafter_init import DrafterInitError, init_from_target, plan_target_init
+from trainer.config.run import load_config
+from trainer.drafter.model import build_drafter
+from trainer.drafter.target_init import DrafterInitError, init_from_target, plan_target_init
 from trainer.preflight import run_preflight
 
 PARTS = [
@@ -86,7 +86,7 @@ def test_a_llama_target_without_q_and_k_norms_is_copied_and_its_norms_stay_ones(
 def test_layers_that_cannot_be_copied_are_named(tiny_target):
     """A hybrid target whose last layer is linear attention, a drafter deeper than the target, an MLP
     width of its own: each is a problem naming what is wrong (the plan reads headers only)."""
-    from trainer.target import read_weight_headers
+    from trainer.target.info import read_weight_headers
 
     tensors = read_weight_headers(tiny_target).tensors
     assert plan_target_init(tensors, 4, 2).problems == []

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
+from trainer.config.eval import EvalConfig, holdout_file
 from trainer.data import DataError, PackedSampler, holdout_indices, holdout_prompts
-from trainer.training.eval_config import EvalConfig, holdout_file
 from trainer.training.evaluation import eval_command, hold_out
 
 

@@ -22,8 +22,8 @@ Q32 = ROOT / "tests" / "fixtures" / "targets" / "qwen3-32b"
 def _saved_drafter(make_config, tmp_path, drafter: dict) -> tuple[Path, Path]:
     import torch
 
-    from trainer.config import load_config
-    from trainer.drafter import build_drafter
+    from trainer.config.run import load_config
+    from trainer.drafter.model import build_drafter
 
     cfg = load_config(make_config(drafter={"mask_token_id": 3, **drafter}))
     model = build_drafter(cfg, torch.device("cpu"))
@@ -124,7 +124,7 @@ def test_a_named_set_is_found_where_the_service_looks(tmp_path):
 
 
 def test_the_child_gets_the_gpus_eval_device_names():
-    from trainer.training.eval_config import EvalConfig
+    from trainer.config.eval import EvalConfig
     from trainer.training.evaluation import eval_device
 
     assert eval_device("cuda:5,6,7", "cuda:0") == ("cuda", "5,6,7")

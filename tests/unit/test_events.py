@@ -1,5 +1,5 @@
-"""The event stream's one parser (`trainer.events.parse_event`): a line of the wrong type is skipped with
-a warning and every reader goes on with the next one: the monitor, `dflash status`/`summary` and the
+"""The event stream's one parser (`trainer.store.events.parse_event`): a line of the wrong type is skipped
+with a warning and every reader goes on with the next one: the monitor, `dflash status`/`summary` and the
 salvage notes (issue #33: `"step": "abc"` made the monitor drop later events silently and summary crash;
 a step of 2**31 crashed `salvage notes`)."""
 
@@ -11,10 +11,10 @@ import time
 
 import pytest
 
-from trainer.events import EventWriter, event_problem, load_events, parse_event
 from trainer.monitor.alerts import Thresholds
 from trainer.monitor.runs import RunMonitor
 from trainer.monitor.summary import render_summary, summarize
+from trainer.store.events import EventWriter, event_problem, load_events, parse_event
 
 BAD_LINES = [
     ({"event": "step", "step": "abc"}, "`step` is 'abc'"),

@@ -4,7 +4,7 @@ import stat
 
 import pytest
 
-from trainer.fsutil import atomic_write_bytes, atomic_write_text
+from trainer.store.fsutil import atomic_write_bytes, atomic_write_text
 
 
 def test_atomic_write_replaces_whole_and_is_0644(tmp_path):

@@ -1,7 +1,7 @@
-"""The model card `dflash export --push-to-hub` writes (trainer/hub_card.py): the τ table per prompt set
+"""The model card `dflash export --push-to-hub` writes (trainer/hub/card.py): the τ table per prompt set
 (chain, tree per budget, vLLM) from the run's `eval` events of the exported checkpoint, "not measured"
 without them, the serve line with the Hub repo, and the same bytes for the same records; and the
-checks trainer/hub_push.py makes before any export work (repo name, token, offline, a rerun's --out)."""
+checks trainer/hub/push.py makes before any export work (repo name, token, offline, a rerun's --out)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from trainer.hub_card import render_card, tau_table
+from trainer.hub.card import render_card, tau_table
 
 
 def export_info(run, step=40, name="step-00000040"):
@@ -80,8 +80,8 @@ def test_a_push_that_cannot_happen_is_refused_before_the_export(tmp_path, monkey
     import huggingface_hub
     from huggingface_hub import constants
 
-    from trainer.hub import HubError
-    from trainer.hub_push import prepare
+    from trainer.hub.pull import HubError
+    from trainer.hub.push import prepare
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(huggingface_hub, "get_token", lambda: "hf_from_the_login")

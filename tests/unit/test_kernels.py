@@ -17,7 +17,7 @@ from tests.unit.test_role_contracts import render_role_var
 from trainer.layout.hybrid import LinearAttention
 from trainer.preflight import kernels
 from trainer.preflight.report import PreflightReport
-from trainer.target import TargetInfo
+from trainer.target.info import TargetInfo
 
 REPO = Path(__file__).resolve().parents[2]
 QWEN = REPO / "tests" / "fixtures" / "targets" / "qwen3.6-27b"

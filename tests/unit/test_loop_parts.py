@@ -5,7 +5,7 @@ import threading
 import pytest
 import torch
 
-from trainer.config import load_config
+from trainer.config.run import load_config
 from trainer.training.shutdown import StallWatchdog
 from trainer.training.state import lr_lambda
 
@@ -61,7 +61,7 @@ def test_lr_schedule_warmup_then_cosine_to_floor(make_config):
 def test_drafter_takes_the_targets_embedding_head_and_final_norm(make_config, tiny_target):
     from safetensors.torch import load_file
 
-    from trainer.drafter import build_drafter
+    from trainer.drafter.model import build_drafter
 
     cfg = load_config(make_config())
     d = build_drafter(cfg, torch.device("cpu"))
@@ -81,7 +81,7 @@ def test_bf16_heads_give_bit_identical_logits_and_grads_under_autocast(make_conf
     """cast_frozen_heads (CUDA, bf16 autocast) stores lm_head/verifier_lm_head in bf16: autocast casts
     them to bf16 for every matmul anyway, so logits and the gradient into the drafter are the same
     bits (checked with CPU autocast); the heads stay shared and frozen, the embedding stays fp32."""
-    from trainer.drafter import build_drafter
+    from trainer.drafter.model import build_drafter
 
     cfg = load_config(make_config())
     ref = build_drafter(cfg, torch.device("cpu"))
@@ -120,7 +120,7 @@ def test_eval_device_maps_the_setting_to_the_childs_device_and_its_visible_gpu(m
 def test_eval_section_is_checked_before_any_model_loads(make_config, tmp_path):
     """`eval:` is off without prompts; a float cadence, a bad device or a prompt file that is not
     there is refused (ConfigError at load, the missing file by `dflash train` before the models load)."""
-    from trainer.config import ConfigError
+    from trainer.config.run import ConfigError
     from trainer.training.evaluation import eval_problem
 
     assert not load_config(make_config()).eval.enabled

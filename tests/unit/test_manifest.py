@@ -1,4 +1,5 @@
-"""`dflash manifest create/verify` (trainer/manifest.py): real files, real hashing, the CLI's exit codes."""
+"""`dflash manifest create/verify` (trainer/store/manifest.py): real files, real hashing, the CLI's exit
+codes."""
 
 import hashlib
 import json
@@ -8,7 +9,7 @@ import sys
 
 import pytest
 
-from trainer.manifest import ManifestError, create_manifest, load_manifest, verify_manifest
+from trainer.store.manifest import ManifestError, create_manifest, load_manifest, verify_manifest
 
 
 def _tree(root):

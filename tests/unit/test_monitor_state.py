@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from trainer.events import EventWriter
 from trainer.monitor.alerts import Thresholds, evaluate
 from trainer.monitor.runs import Hub, RunMonitor, find_runs
-from trainer.monitor.state import RunState, minmax_indices
 from trainer.monitor.summary import render_summary, summarize
 from trainer.monitor.system import parse_nvidia_smi, process_alive
 from trainer.monitor.tailer import Follower, tail_lines
+from trainer.store.events import EventWriter
+from trainer.store.run_state import RunState, minmax_indices
 
 
 def start_event(total=100, pid=None, t=None, **kw):
@@ -431,8 +431,8 @@ def test_summary_is_built_on_the_shared_state(tmp_path):
 
 
 def test_eval_events_reach_the_summary_and_its_text(tmp_path):
-    from trainer.events import EventWriter
     from trainer.monitor.summary import render_summary
+    from trainer.store.events import EventWriter
 
     w = EventWriter(tmp_path, "r")
     w.emit("run_start", totals={"steps": 10})

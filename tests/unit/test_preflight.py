@@ -11,11 +11,11 @@ import datasets
 import pytest
 
 from tests.conftest import real_tmpfs
-from trainer.config import load_config
+from trainer.config.run import load_config
 from trainer.preflight import PreflightReport, run_preflight
 from trainer.preflight.drafter import suggest_aux_ids
 from trainer.preflight.report import Problem
-from trainer.target import SafetensorsError, TargetInfo, read_config, read_safetensors_header
+from trainer.target.info import SafetensorsError, TargetInfo, read_config, read_safetensors_header
 
 # ---------------------------------------------------------------- helpers
 
@@ -675,7 +675,7 @@ def test_a_vllm_source_that_must_start_a_server_needs_vllm_installed(make_config
 
 
 def test_a_vllm_url_that_is_not_http_is_a_config_error(make_config):
-    from trainer.config import ConfigError, load_config
+    from trainer.config.run import ConfigError, load_config
 
     with pytest.raises(ConfigError, match="http:// or https://"):
         load_config(make_config(), ["target.source=vllm", "target.vllm.url=127.0.0.1:8100"])
@@ -767,7 +767,7 @@ LINEAR2 = {"rope_type": "linear", "factor": 2.0}
     ],
 )
 def test_the_context_limit_is_derived_as_vllm_derives_it(conf, tokens, why):
-    from trainer.sources.vllm_target import context_limit
+    from trainer.preflight.vllm_request import context_limit
 
     got = context_limit({"model_type": "qwen3", **conf}, environ={})
     assert got.tokens == tokens and why in got.why, got

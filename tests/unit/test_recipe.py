@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.config import load_config
+from trainer.config.run import load_config
 
 
 # ---------------------------------------------------------------- draft vocabulary
 def test_the_mapping_keeps_the_most_frequent_tokens_and_every_kept_token_maps_back():
-    from trainer.draft_vocab import DraftVocabError, build_draft_vocab
+    from trainer.drafter.vocab import DraftVocabError, build_draft_vocab
 
     counts = np.zeros(50, dtype=np.int64)
     counts[[7, 3, 40, 11, 12]] = [100, 90, 80, 5, 5]  # 11 and 12 tie: the lower id wins
@@ -35,7 +35,7 @@ def test_the_mapping_keeps_the_most_frequent_tokens_and_every_kept_token_maps_ba
 def test_supervised_counts_skip_prompts_and_refuse_ids_outside_the_vocabulary(tmp_path):
     import datasets
 
-    from trainer.draft_vocab import DraftVocabError, supervised_token_counts
+    from trainer.drafter.vocab import DraftVocabError, supervised_token_counts
 
     ds = datasets.Dataset.from_dict(
         {"input_ids": [[1, 2, 3, 3], [4, 3]], "loss_mask": [[0, 0, 1, 1], [1, 0]]}
@@ -52,8 +52,8 @@ def test_a_draft_vocab_drafter_scores_the_targets_own_rows_of_the_kept_tokens(
     from safetensors.torch import load_file
 
     from trainer.data import open_dataset
-    from trainer.draft_vocab import build_draft_vocab, supervised_token_counts
-    from trainer.drafter import build_drafter
+    from trainer.drafter.model import build_drafter
+    from trainer.drafter.vocab import build_draft_vocab, supervised_token_counts
 
     cfg = load_config(make_config(drafter={"draft_vocab_size": 96}))
     d = build_drafter(cfg, torch.device("cpu"))
@@ -68,7 +68,7 @@ def test_a_draft_vocab_drafter_scores_the_targets_own_rows_of_the_kept_tokens(
 
 
 def test_a_resume_refuses_a_checkpoint_with_another_draft_vocabulary(make_config, tmp_path):
-    from trainer.drafter import build_drafter, check_same_draft_vocab
+    from trainer.drafter.model import build_drafter, check_same_draft_vocab
 
     reduced = build_drafter(load_config(make_config(drafter={"draft_vocab_size": 96})), torch.device("cpu"))
     reduced.save_pretrained(str(tmp_path / "reduced"))
@@ -90,8 +90,8 @@ def test_preflight_and_the_drafter_share_one_count_and_a_rewritten_dataset_is_co
 
     import datasets
 
-    import trainer.draft_vocab as dvm
-    from trainer.drafter import build_drafter
+    import trainer.drafter.vocab as dvm
+    from trainer.drafter.model import build_drafter
     from trainer.preflight import run_preflight
 
     data = tmp_path / "ds"
@@ -225,7 +225,7 @@ def test_muon_with_adamw_is_speculators_two_optimizers_as_one_and_resumes_exactl
 
 
 def test_muon_groups_follow_speculators_split_on_a_real_drafter(make_config):
-    from trainer.drafter import build_drafter
+    from trainer.drafter.model import build_drafter
     from trainer.training.state import make_optimizer
 
     cfg = load_config(make_config(train={"optimizer": "muon", "muon_lr": 0.02}))
@@ -246,8 +246,8 @@ def test_muon_groups_follow_speculators_split_on_a_real_drafter(make_config):
 def test_the_memory_model_counts_the_draft_vocabulary_and_muons_state(make_config, tiny_target):
     """Against real tensors: the frozen heads' elements, and the optimizer state's elements after one
     step (Muon: one buffer per matrix element, AdamW: two per other element)."""
-    from trainer.drafter import build_drafter
-    from trainer.target import TargetInfo
+    from trainer.drafter.model import build_drafter
+    from trainer.target.info import TargetInfo
     from trainer.training.state import make_optimizer
 
     cfg = load_config(make_config(drafter={"draft_vocab_size": 96}, train={"optimizer": "muon"}))
@@ -296,7 +296,7 @@ def test_the_memory_model_counts_the_draft_vocabulary_and_muons_state(make_confi
 def test_the_run_configs_defaults_are_muon_and_dpace_and_the_plan_follows_them():
     """speculators' DFlash default and this project's ablation (docs/train.md, the recipe): Muon + D-PACE;
     the memory model's recipe takes its optimizer from the run config, not from a literal of its own."""
-    from trainer.config_train import TrainConfig
+    from trainer.config.train import TrainConfig
     from trainer.layout.recipe import Recipe
 
     train = TrainConfig()

@@ -222,7 +222,7 @@ def test_another_process_s_secrets_reach_neither_the_inventory_nor_processes_jso
     import subprocess
     import sys
 
-    from trainer.events import EventWriter
+    from trainer.store.events import EventWriter
 
     pkg = tmp_path / "pkgs" / "vllm"
     pkg.mkdir(parents=True)
@@ -303,7 +303,7 @@ URL = f"http://user:{PW}@10.0.0.9:5000/x"
 
 
 def _events_and_log(tmp_path, capsys):
-    from trainer.events import EventWriter
+    from trainer.store.events import EventWriter
 
     w = EventWriter(tmp_path, "r")
     w.emit("warning", kind="tracker_failed", message=f"mlflow at {URL} refused", config={"api_key": PW})
@@ -313,9 +313,9 @@ def _events_and_log(tmp_path, capsys):
 
 
 def _monitor_views(tmp_path, capsys):
-    from trainer.events import EventWriter
     from trainer.monitor.alerts import Thresholds
     from trainer.monitor.runs import RunMonitor
+    from trainer.store.events import EventWriter
 
     w = EventWriter(tmp_path, "r")
     w.emit("run_start", totals={"total_steps": 4, "total_tokens": 40}, layout={"server": URL})
@@ -331,7 +331,7 @@ def _monitor_views(tmp_path, capsys):
 
 def _status_json(tmp_path, capsys):
     from trainer.cli import main
-    from trainer.events import EventWriter
+    from trainer.store.events import EventWriter
 
     EventWriter(tmp_path, "r").emit("run_start", layout={"tracking_uri": URL, "note": f"at {URL}"})
     capsys.readouterr()

@@ -17,13 +17,13 @@ from pathlib import Path
 import pytest
 
 from trainer.cli import main
-from trainer.config import DrafterConfig, load_config
+from trainer.config.run import DrafterConfig, load_config
 from trainer.preflight import run_preflight
 from trainer.preflight.drafter import drafter_gate
 from trainer.preflight.report import PreflightReport
 from trainer.run_init import build, choose_mask
-from trainer.target import TargetInfo
-from trainer.tokenizer_files import TokenizerFiles
+from trainer.target.info import TargetInfo
+from trainer.target.tokenizer import TokenizerFiles
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"

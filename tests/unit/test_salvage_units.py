@@ -168,14 +168,14 @@ SHA = "0" * 64
     ],
 )
 def test_a_manifest_path_that_could_leave_its_folder_is_refused(rel, why):
-    from trainer.manifest import ManifestError, check_manifest
+    from trainer.store.manifest import ManifestError, check_manifest
 
     with pytest.raises(ManifestError, match=why):
         check_manifest({"manifest_version": 1, "files": {rel: {"size": 1, "sha256": SHA}}}, "s3://b/p")
 
 
 def test_a_manifest_entry_under_a_symlink_entry_or_with_a_bad_entry_is_refused():
-    from trainer.manifest import ManifestError, check_manifest
+    from trainer.store.manifest import ManifestError, check_manifest
 
     files = {"d": {"symlink": "/etc"}, "d/passwd": {"size": 1, "sha256": SHA}}
     with pytest.raises(ManifestError, match="lies under the symlink entry 'd'"):
@@ -190,7 +190,7 @@ def test_a_manifest_entry_under_a_symlink_entry_or_with_a_bad_entry_is_refused()
 
 
 def test_inside_refuses_a_path_that_resolves_out_through_a_symlink(tmp_path):
-    from trainer.manifest import ManifestError, inside
+    from trainer.store.manifest import ManifestError, inside
 
     (tmp_path / "root").mkdir()
     (tmp_path / "root" / "out").symlink_to(tmp_path)
@@ -200,7 +200,7 @@ def test_inside_refuses_a_path_that_resolves_out_through_a_symlink(tmp_path):
 
 
 def test_content_digest_names_the_bytes_not_when_or_where():
-    from trainer.manifest import content_digest
+    from trainer.store.manifest import content_digest
 
     a = {"created": 1.0, "source": "h:/a", "files": {"x": {"size": 1, "sha256": SHA, "mtime_ns": 5}}}
     b = {"created": 2.0, "source": "h:/b", "set": {"id": "1"}, "files": {"x": {"size": 1, "sha256": SHA}}}

@@ -5,11 +5,11 @@ from pathlib import Path
 
 import pytest
 
-from trainer.config import load_config
+from trainer.config.run import load_config
 from trainer.layout.recipe import Recipe, per_gpu_bytes, read_target
 from trainer.layout.sizing import Shapes, per_device_bytes
 from trainer.preflight.machine import estimate_memory
-from trainer.target import TargetInfo
+from trainer.target.info import TargetInfo
 
 QWEN = Path(__file__).resolve().parents[1] / "fixtures" / "targets" / "qwen3.6-27b"
 S = Shapes(
@@ -193,7 +193,7 @@ def test_the_models_parameter_counts_are_those_of_a_real_drafter(
     import torch
 
     from trainer.demo.synth import tiny_target
-    from trainer.drafter import build_drafter
+    from trainer.drafter.model import build_drafter
 
     overrides = []
     if target_shape:

@@ -97,8 +97,8 @@ def test_the_drafter_shares_the_targets_embedding_only_when_it_is_equal(tiny_tar
     """train.share_target_embedding: the in-process target's embedding replaces the drafter's fp32
     copy (no parameter left, the same lookups, the target's aux-0 hook not fired by the drafter); a
     target whose embedding differs (loaded in fp16 here) is refused with the reason, the copy kept."""
-    from trainer.config import load_config
-    from trainer.drafter import build_drafter, share_target_embedding
+    from trainer.config.run import load_config
+    from trainer.drafter.model import build_drafter, share_target_embedding
 
     cfg = load_config(make_config(drafter={"aux_layer_ids": [1, 2], "mask_token_id": 3}), [])
     src = HookedTransformersSource(tiny_target, [0, 2])

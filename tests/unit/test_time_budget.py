@@ -7,15 +7,9 @@ import json
 import pytest
 import torch
 
-from trainer.config import ConfigError, TrainConfig, config_from_dict
-from trainer.training.budget import (
-    BUDGET_FILE,
-    JITTER_S,
-    BudgetControl,
-    DurationError,
-    format_duration,
-    parse_duration,
-)
+from trainer.config.duration import DurationError, format_duration, parse_duration
+from trainer.config.run import ConfigError, TrainConfig, config_from_dict
+from trainer.training.budget import BUDGET_FILE, JITTER_S, BudgetControl
 from trainer.training.state import BudgetSchedule, budget_factor, make_optimizer
 
 
@@ -215,7 +209,7 @@ def test_make_optimizer_picks_the_budget_schedule(tmp_path):
 
 
 def test_the_monitors_eta_and_progress_are_the_budgets():
-    from trainer.monitor.state import RunState
+    from trainer.store.run_state import RunState
 
     st = RunState()
     st.feed(
@@ -237,10 +231,10 @@ def test_the_monitors_eta_and_progress_are_the_budgets():
 
 def test_plan_turns_a_budget_into_tokens_and_epochs(tmp_path):
     from trainer.cli import build_parser
-    from trainer.events import EventWriter
     from trainer.layout.plan import make_plan
     from trainer.layout.recipe import PlanError
     from trainer.layout.report import render_text
+    from trainer.store.events import EventWriter
 
     qwen = "tests/fixtures/targets/qwen3.6-27b/config.json"
     base = ["plan", "--target-config", qwen, "--gpu", "H200", "--gpu-count", "8", "--samples", "1000"]
@@ -268,8 +262,8 @@ def test_plan_turns_a_budget_into_tokens_and_epochs(tmp_path):
 
 
 def test_dflash_summary_says_the_budget_spent(tmp_path):
-    from trainer.events import EventWriter
     from trainer.monitor.summary import render_summary
+    from trainer.store.events import EventWriter
 
     events = EventWriter(tmp_path, "r1")
     events.emit("run_start", totals={"total_steps": 10**9, "time_budget_s": 600.0, "budget_spent_s": 3.0})

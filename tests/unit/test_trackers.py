@@ -8,10 +8,10 @@ import time
 
 import pytest
 
-from trainer.config import config_from_dict
-from trainer.events import EventWriter, load_events
+from trainer.config.run import config_from_dict
 from trainer.preflight.report import PreflightReport
 from trainer.preflight.trackers import trackers_gate
+from trainer.store.events import EventWriter, load_events
 from trainer.trackers import TrackerPackageMissing, start_trackers
 from trainer.trackers.clients import MlflowTracker, Tracker, mlflow_key, run_params
 from trainer.trackers.follow import TrackerHub, figures

@@ -10,8 +10,9 @@ import pytest
 
 from tests.conftest import wait_for
 from trainer.data import PackedSampler
+from trainer.layout.server_tap import server_layer_ids
 from trainer.sources.vllm import PrefetchingSampler, document_spans
-from trainer.sources.vllm_server import CPU_CONNECTOR, CUDA_CONNECTOR, serve_command, server_layer_ids
+from trainer.sources.vllm_server import CPU_CONNECTOR, CUDA_CONNECTOR, serve_command
 
 
 def test_document_spans_follow_the_position_resets():
@@ -271,7 +272,7 @@ def test_the_shm_gate_counts_the_hidden_state_files_in_flight(make_config, monke
     240 MiB a 4,096-token batch."""
     from types import SimpleNamespace
 
-    from trainer.config import load_config
+    from trainer.config.run import load_config
     from trainer.preflight.shm import spool_bytes
 
     target = SimpleNamespace(num_layers=64, hidden=5120)
@@ -320,7 +321,7 @@ def test_the_owned_servers_gpus_under_a_preset_cuda_visible_devices(
     CUDA_VISIBLE_DEVICES (which replaces it) must name. CUDA is made visible for the decision only."""
     import torch
 
-    from trainer.config import load_config
+    from trainer.config.run import load_config
     from trainer.sources.vllm_server import owned_server_command
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -82,8 +82,8 @@ def above_zero(text: str) -> float:
 
 
 def duration(text: str) -> str:
-    """A duration as the run config writes it (`20h`, `30m`, `90s`, `1h30m`: trainer.training.budget)."""
-    from trainer.training.budget import DurationError, parse_duration
+    """A duration as the run config writes it (`20h`, `30m`, `90s`, `1h30m`: trainer.config.duration)."""
+    from trainer.config.duration import DurationError, parse_duration
 
     try:
         parse_duration(text)

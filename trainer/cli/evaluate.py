@@ -83,7 +83,7 @@ def cmd_eval(args) -> int:
 def cmd_export(args) -> int:
     push = None
     if args.push_to_hub:  # repo, token and network checked before the export starts
-        from trainer.hub_push import prepare
+        from trainer.hub.push import prepare
 
         push = prepare(args.push_to_hub, args.revision, args.token_file)
     if push is None or not push.reuses(args.out, args.checkpoint):

@@ -89,13 +89,13 @@ def transfer_report(args, report: dict, text: str, failed: list[dict]) -> int:
 
 
 def _with_progress(args, run, label: str) -> dict:
-    from trainer.progress_file import with_progress
+    from trainer.store.progress_file import with_progress
 
     return with_progress(args.progress_file, Path(args.dir), label, args.check, run)
 
 
 def _hub(args) -> int:
-    from trainer.hub import pull
+    from trainer.hub.pull import pull
 
     def run(check: bool):
         return pull(
@@ -119,13 +119,13 @@ def _hub(args) -> int:
 
 
 def _manifest_create(args) -> int:
-    from trainer.manifest import cmd_create
+    from trainer.store.manifest import cmd_create
 
     return cmd_create(args)
 
 
 def _manifest_verify(args) -> int:
-    from trainer.manifest import cmd_verify
+    from trainer.store.manifest import cmd_verify
 
     return cmd_verify(args)
 

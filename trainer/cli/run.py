@@ -24,7 +24,7 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 
 def _load(args):
-    from trainer.config import load_config
+    from trainer.config.run import load_config
 
     return load_config(args.config, args.overrides)
 
@@ -72,10 +72,10 @@ def cmd_summary(args) -> int:
 
 
 def cmd_config(args) -> int:
-    from trainer.config_schema import schema_reference
+    from trainer.config.schema import schema_reference
 
     if args.markdown:
-        from trainer.config_schema import schema_markdown
+        from trainer.config.schema import schema_markdown
 
         print(schema_markdown(), end="")
         return 0
@@ -84,7 +84,7 @@ def cmd_config(args) -> int:
             print(f"{key:34} {typ:36} {default:14} {desc}")
         return 0
     if args.config is None:
-        from trainer.config import ConfigError
+        from trainer.config.run import ConfigError
 
         raise ConfigError("pass --config FILE or --schema")
     cfg = _load(args)
@@ -95,7 +95,7 @@ def cmd_config(args) -> int:
 
 
 def cmd_capture(args) -> int:
-    from trainer.capture import CaptureError, capture_samples, compare_captures
+    from trainer.sources.capture import CaptureError, capture_samples, compare_captures
 
     if args.compare:
         diff = compare_captures(*args.compare)
@@ -109,7 +109,7 @@ def cmd_capture(args) -> int:
     overrides = list(args.overrides)
     if args.source:
         overrides.append(f"target.source={args.source}")
-    from trainer.config import load_config
+    from trainer.config.run import load_config
 
     print(json.dumps(capture_samples(load_config(args.config, overrides), args.samples, args.out)))
     return ExitCode.OK
@@ -124,7 +124,7 @@ def cmd_serve_target(args) -> int:
     from trainer.sources.vllm_server import owned_server_command, server_environment
 
     if not is_loopback(args.host) and not args.allow_remote:
-        from trainer.config import ConfigError
+        from trainer.config.run import ConfigError
 
         raise ConfigError(
             f"--host {args.host}: refusing a non-loopback address: the hidden-states server has no "

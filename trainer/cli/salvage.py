@@ -215,8 +215,8 @@ def _verify(args) -> dict[str, Any]:
     if args.s3:
         local = None
         if args.out is not None:  # the collected set: what must be in S3
-            from trainer.manifest import MANIFEST_NAME, load_manifest
             from trainer.salvage import SalvageError
+            from trainer.store.manifest import MANIFEST_NAME, load_manifest
 
             if not (Path(args.out) / MANIFEST_NAME).is_file():
                 raise SalvageError(

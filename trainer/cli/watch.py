@@ -93,7 +93,7 @@ def cmd_status(args) -> int:
 def cmd_progress(args) -> int:
     import json
 
-    from trainer.progress_file import read, wait
+    from trainer.store.progress_file import read, wait
 
     state = wait(args.file, args.wait, args.interval) if args.wait else read(args.file)
     print(json.dumps(state) if args.json else state["line"])

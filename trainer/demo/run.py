@@ -62,7 +62,7 @@ def claim(out: Path) -> None:
             )
     out.mkdir(parents=True, exist_ok=True)
     if not (out / MARKER).is_file():
-        from trainer.fsutil import atomic_write_text
+        from trainer.store.fsutil import atomic_write_text
 
         atomic_write_text(out / MARKER, json.dumps({"demo": True}) + "\n")
 
@@ -70,7 +70,7 @@ def claim(out: Path) -> None:
 def write_run_yaml(out: Path, text: str) -> Path:
     """out/run.yaml = `text`; an existing one is replaced only when it is the one the demo wrote (its
     digest is in the marker), and then said on stderr; any other is refused, never overwritten."""
-    from trainer.fsutil import atomic_write_text
+    from trainer.store.fsutil import atomic_write_text
 
     cfg_path = out / "run.yaml"
     if cfg_path.exists():
@@ -151,7 +151,7 @@ def run_demo(
 ) -> int:
     """prepare_only: write the target, data and run.yaml, print their paths as JSON, train nothing (the
     train.yml play on the `local` group starts the run as a service instead)."""
-    from trainer.config import load_config
+    from trainer.config.run import load_config
 
     out = Path(out).resolve()
     claim(out)

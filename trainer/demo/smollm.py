@@ -41,7 +41,7 @@ def ensure_smollm2(out_dir: Path | None = None, dtype: str = "float32") -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trainer.fsutil import atomic_write_text
+    from trainer.store.fsutil import atomic_write_text
 
     src = gguf_path()
     tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
@@ -66,7 +66,7 @@ def ensure_smollm2(out_dir: Path | None = None, dtype: str = "float32") -> Path:
 def drop_gguf_quantization(config_json: Path) -> None:
     """The saved weights are plain tensors, but the config keeps the GGUF file's `quantization_config`,
     which vLLM refuses ("Unknown quantization method: gguf"): remove it (atomically; a no-op when absent)."""
-    from trainer.fsutil import atomic_write_text
+    from trainer.store.fsutil import atomic_write_text
 
     conf = json.loads(config_json.read_text())
     if conf.pop("quantization_config", None) is not None:

@@ -151,8 +151,8 @@ def is_speculators_folder(folder: Path) -> bool:
 
 def resolve_drafter_dir(path: Path) -> Path:
     """A checkpoint folder, an export, a run's out_dir or its checkpoints/, or RUN/checkpoints/latest
-    (then the checkpoint `latest` names): trainer/checkpoint.py's `resolve_checkpoint`."""
-    from trainer.checkpoint import LATEST, resolve_checkpoint
+    (then the checkpoint `latest` names): trainer/store/checkpoint.py's `resolve_checkpoint`."""
+    from trainer.store.checkpoint import LATEST, resolve_checkpoint
 
     path = Path(path)
     found = resolve_checkpoint(path)
@@ -201,7 +201,7 @@ def load_drafter(folder: Path, target_dir: Path, device: torch.device):
     holds two vocab x hidden fp32 matrices, not three (trainer/layout/eval_memory.py counts them)."""
     from speculators.models.dflash import DFlashSpeculatorConfig
 
-    from trainer.drafter import load_sdpa_drafter, share_frozen_head
+    from trainer.drafter.model import load_sdpa_drafter, share_frozen_head
 
     logging.getLogger("speculators").setLevel(logging.WARNING)
     folder = Path(folder)
@@ -214,7 +214,7 @@ def load_drafter(folder: Path, target_dir: Path, device: torch.device):
 
 
 def _check_pair(config, folder: Path, target_dir: Path) -> None:
-    from trainer.target import TargetInfo
+    from trainer.target.info import TargetInfo
 
     if not (target_dir / "config.json").is_file():
         raise ModelError(f"--target {target_dir}: no config.json (a transformers model folder is needed)")

@@ -196,7 +196,7 @@ def encode_chat(tokenizer, messages: list[dict[str, Any]], thinking: str | None)
 
 
 def write_prompt_file(path: Path, rows: list[dict[str, Any]]) -> Path:
-    from trainer.fsutil import atomic_write_text
+    from trainer.store.fsutil import atomic_write_text
 
     atomic_write_text(Path(path), "".join(json.dumps(r) + "\n" for r in rows))
     return Path(path)
@@ -261,7 +261,7 @@ def encode(lines: list[PromptLine], tokenizer, settings: TemplateSettings) -> li
 def stop_token_ids(target_dir: Path, tokenizer) -> list[int]:
     """Token ids that end a response: the config's / generation config's eos, and the chat
     template's end-of-turn token when the tokenizer has one."""
-    from trainer.target import special_token_ids
+    from trainer.target.info import special_token_ids
 
     ids: set[int] = set(special_token_ids(Path(target_dir), "eos"))
     if tokenizer is not None:

@@ -13,8 +13,8 @@ def record_in_run(checkpoint: Path, report: dict[str, Any], report_path: Path) -
     (`<out_dir>/checkpoints/<name>` -> `<out_dir>/events.jsonl`), so the monitor, its metrics and the
     salvage notes show tau beside the loss. Nothing for an export or a foreign drafter. Returns the
     stream's path."""
-    from trainer.checkpoint import read_meta
-    from trainer.events import EventWriter
+    from trainer.store.checkpoint import read_meta
+    from trainer.store.events import EventWriter
 
     checkpoint = Path(checkpoint)
     out_dir = checkpoint.parent.parent

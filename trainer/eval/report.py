@@ -10,7 +10,7 @@ from typing import Any
 
 from trainer.eval.harness import PromptResult
 from trainer.eval.lossless import verdict_text
-from trainer.fsutil import atomic_write_bytes, atomic_write_text
+from trainer.store.fsutil import atomic_write_bytes, atomic_write_text
 
 REPORT_SCHEMA_VERSION = 1
 

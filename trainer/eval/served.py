@@ -99,7 +99,7 @@ def served_family_check(target: Path, flag: str) -> None:
     """ServedError, before any model loads, for a target whose family vLLM cannot serve a DFlash
     drafter for on any platform (trainer/preflight/vllm_family.py `aux_states_problem`)."""
     from trainer.preflight.vllm_family import aux_states_problem
-    from trainer.target import read_config
+    from trainer.target.info import read_config
 
     problem = aux_states_problem(read_config(Path(target)), flag)
     if problem:
@@ -109,7 +109,7 @@ def served_family_check(target: Path, flag: str) -> None:
 def vllm_family_dtype(target: Path, dtype: str, cpu: bool, flag: str) -> str:
     """`dtype` for the target's family on the engine's platform; ServedError where vLLM cannot run it."""
     from trainer.preflight.vllm_family import cpu_engine_problem, engine_dtype
-    from trainer.target import read_config
+    from trainer.target.info import read_config
 
     served_family_check(target, flag)
     conf = read_config(Path(target))
@@ -146,7 +146,7 @@ def serve_export(
     from trainer import vllm_engine
     from trainer.preflight.vllm_family import prefix_caching_off
     from trainer.sources.hooked import resolve_dtype
-    from trainer.target import read_config
+    from trainer.target.info import read_config
 
     vllm = vllm_engine.import_vllm(flag, ServedError)
     cpu = vllm_engine.on_cpu(device, ServedError)

@@ -4,7 +4,7 @@
 The parts and where each figure comes from:
 
 - target: the weights as stored: model.safetensors.index.json's metadata.total_size, else the data
-  offsets of every *.safetensors header (trainer/target.py `stored_bytes`); with only config.json
+  offsets of every *.safetensors header (trainer/target/info.py `stored_bytes`); with only config.json
   there, the parameter count its shapes imply (`TargetInfo.config_params`: dense attention + gated MLP
   per layer, so an MoE target is undercounted) x the bytes of its torch_dtype (else the run's dtype);
 - venv: an ESTIMATE per torch kind (`VENV_BYTES`): "cpu" is `du -s` of a CPU venv built by
@@ -63,7 +63,7 @@ def target_bytes(folder: Path, dtype: str = "bfloat16") -> tuple[int, str]:
     config.json): the stored weights when their index or headers are there, else the config's
     parameter count x the bytes of its torch_dtype (else `dtype`; else bfloat16, said so: "auto"
     names no width)."""
-    from trainer.target import TargetInfo, read_config, stored_bytes
+    from trainer.target.info import TargetInfo, read_config, stored_bytes
 
     given = Path(folder)
     config = given if given.is_file() else given / "config.json"
@@ -83,7 +83,7 @@ def target_bytes(folder: Path, dtype: str = "bfloat16") -> tuple[int, str]:
 def spool_tokens(prefetch_batches: int, tokens_per_batch: int, longest_document: int) -> int:
     """The most tokens one trainer rank has in hidden-state files at once: `prefetch_batches` + 1
     batches requested, of which at most REQUEST_THREADS documents written and not yet read."""
-    from trainer.sources.vllm_server import REQUEST_THREADS
+    from trainer.layout.server_tap import REQUEST_THREADS
 
     return min((prefetch_batches + 1) * tokens_per_batch, REQUEST_THREADS * longest_document)
 
@@ -159,9 +159,9 @@ def plan_disk(
     """`dflash plan`'s disk table for one node: `run` is the run config (None: the flags, whose
     defaults are the run config's), `source` the layout's target.source, `trainer_ranks` the node's,
     `tokens_per_batch` train.max_tokens_per_batch."""
-    from trainer.config import VllmSourceConfig
+    from trainer.config.run import VllmSourceConfig
     from trainer.layout.inputs import config_default
-    from trainer.sources.vllm_server import server_layer_ids
+    from trainer.layout.server_tap import server_layer_ids
 
     weights, where = target_bytes(target_config, dtype)
     engine = (source == "vllm" and (run is None or run.target.vllm.url is None)) or regenerate_samples > 0

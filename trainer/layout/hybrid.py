@@ -87,7 +87,7 @@ def layer_types(conf: dict[str, Any]) -> list[str]:
 
 
 def read_linear_attention(conf: dict[str, Any]) -> LinearAttention | None:
-    """The linear-attention layers of a config read by trainer/target.py (text_config merged); None for a
+    """The linear-attention layers of a config read by trainer/target/info.py (text_config merged); None for a
     model without any. Defaults are transformers' Qwen3_5TextConfig's."""
     n = sum(1 for t in layer_types(conf) if t == "linear_attention")
     if not n:

@@ -5,7 +5,7 @@ from the flags, whose defaults are the run config's own.
 A run config pins what it sets: `train.shard`, `target.source` and `target.gpus_per_copy` written in it
 are kept (the plan refuses, exit 2, when they do not fit); left out, the plan chooses them and says so
 under `apply`. The recipe flags and `--config` do not mix: each flag names the key to set instead.
-Light side: pydantic and yaml through trainer/config.py, no torch.
+Light side: pydantic and yaml through trainer/config/run.py, no torch.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def flag(dest: str) -> str:
 
 def config_default(key: str) -> Any:
     """The run config's default of `key` (section.name): one home of the recipe's defaults."""
-    from trainer.config import RunConfig
+    from trainer.config.run import RunConfig
 
     section, name = key.split(".")
     field = RunConfig.model_fields[section].annotation.model_fields[name]
@@ -75,7 +75,7 @@ def plan_inputs(args) -> PlanInputs:
 def target_config_path(value: str) -> Path:
     """--target-config: a file or folder here, or hf://REPO@REVISION (its config.json from the Hub)."""
     if value.startswith("hf://"):
-        from trainer.hub import fetch_file
+        from trainer.hub.pull import fetch_file
 
         return fetch_file(value)
     return Path(value)
@@ -112,7 +112,7 @@ def from_flags(args) -> PlanInputs:
 
 
 def _read(path: str):
-    from trainer.config import config_from_text, load_config
+    from trainer.config.run import config_from_text, load_config
 
     if path == "-":
         return config_from_text(sys.stdin.read(), Path.cwd(), "the run config on stdin")

@@ -182,7 +182,7 @@ def make_plan(args) -> dict[str, Any]:
     train = inputs.run.train if inputs.run is not None else None
     budget = getattr(args, "time_budget", None) or (train.time_budget if train else None)
     if budget:  # train.time_budget in tokens, steps and epochs
-        from trainer.config import TrainConfig
+        from trainer.config.run import TrainConfig
 
         train = train or TrainConfig(max_tokens_per_batch=r.tokens, time_budget=budget)
         plan["time_budget"] = budget_arithmetic(
@@ -228,8 +228,8 @@ def step_rate(args, gpu_name: str, arith: dict[str, Any]) -> dict[str, Any]:
     from pathlib import Path
 
     if getattr(args, "rate_from", None):
-        from trainer.events import load_events
-        from trainer.monitor.state import state_from_events
+        from trainer.store.events import load_events
+        from trainer.store.run_state import state_from_events
 
         path = Path(args.rate_from)
         path = path / "events.jsonl" if path.is_dir() else path

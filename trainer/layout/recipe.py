@@ -18,7 +18,7 @@ from trainer.layout.hybrid import ASSUMPTIONS as HYBRID_ASSUMPTIONS
 from trainer.layout.hybrid import LinearAttention
 from trainer.layout.sizing import ASSUMPTIONS as SIZING_ASSUMPTIONS
 from trainer.layout.sizing import Shapes, per_device_bytes
-from trainer.target import ModelConfigError, TargetInfo, read_config, stored_bytes
+from trainer.target.info import ModelConfigError, TargetInfo, read_config, stored_bytes
 
 GIB = float(2**30)
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8": 1}
@@ -76,7 +76,7 @@ class TargetShape:
 
 
 def read_target(config_path: Path, dtype: str = "bfloat16") -> TargetShape:
-    """The target's shapes from its config.json (or the folder holding it), read by trainer/target.py.
+    """The target's shapes from its config.json (or the folder holding it), read by trainer/target/info.py.
     Its parameter count comes from `model.safetensors.index.json`'s `metadata.total_size` when that file
     sits beside it, else from safetensors headers, else from the config's shapes."""
     config_path = Path(config_path)
@@ -116,9 +116,9 @@ def read_target(config_path: Path, dtype: str = "bfloat16") -> TargetShape:
 
 
 def train_default(key: str) -> Any:
-    """The run config's default of `train.<key>` (trainer/config_train.py, its one home; pydantic, no
+    """The run config's default of `train.<key>` (trainer/config/train.py, its one home; pydantic, no
     torch, imported only when asked)."""
-    from trainer.config_train import TrainConfig
+    from trainer.config.train import TrainConfig
 
     return TrainConfig.model_fields[key].get_default(call_default_factory=True)
 

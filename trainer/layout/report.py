@@ -64,7 +64,7 @@ def budget_arithmetic(
     """A time budget (`train.time_budget`, `--time-budget`) in tokens, steps and epochs at `rate`
     (`tokens_per_s`, and `seconds_per_step` when measured; `source` says measured or modelled). An upper
     bound: loading, checkpoints and the stop margin come off the budget."""
-    from trainer.training.budget import parse_duration
+    from trainer.config.duration import parse_duration
 
     seconds = parse_duration(budget)
     tok_s = rate["tokens_per_s"]

@@ -209,7 +209,7 @@ def cmd_sandbox(args) -> int:
         except json.JSONDecodeError:
             import yaml
 
-            from trainer import user_yaml
+            from trainer.config import user_yaml
 
             try:
                 return user_yaml.safe_load(text)  # a key said twice is refused, not last-wins

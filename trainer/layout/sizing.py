@@ -36,7 +36,7 @@ What the trainer holds (loop.py + speculators' DFlashDraftModel, read from their
   target's own embedding, counted in target_weights) and verifier_norm in fp32, and one vocab x
   hidden head shared by lm_head and verifier_lm_head (full vocabulary: both hold the target's
   lm_head), fp32 on CPU and bf16 under bf16 autocast, where autocast would cast it to bf16 for every
-  matmul anyway (trainer/drafter.py cast_frozen_heads); with `drafter.draft_vocab_size` D, two
+  matmul anyway (trainer/drafter/model.py cast_frozen_heads); with `drafter.draft_vocab_size` D, two
   separate D x hidden heads (the target's rows of the kept tokens);
 - activations: the captured aux states (n_aux x tokens x hidden) and last hidden state, fc output,
   and per drafter layer what autograd saves, counted by storage on CPU (bench/memory.py's layer
@@ -230,7 +230,7 @@ def per_device_bytes(
         muon * a["muon_momentum_bytes_per_param"] + (p - muon) * a["adam_moment_bytes_per_param"]
     )
     loss = "fused" if cuda else "eager"
-    # under bf16 autocast the frozen head is stored in bf16 (trainer/drafter.py cast_frozen_heads)
+    # under bf16 autocast the frozen head is stored in bf16 (trainer/drafter/model.py cast_frozen_heads)
     head_bytes = 2 if cuda and act == 2 else 4
     q_dim, kv_dim = s.heads * s.head_dim, s.kv_heads * s.head_dim
     per_layer = act * (

@@ -8,7 +8,7 @@ from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Any
 
-from trainer.monitor.state import RunState
+from trainer.store.run_state import RunState
 
 LOSS_WINDOW = 10  # step events averaged for the loss at an eval's step
 

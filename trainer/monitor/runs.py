@@ -16,12 +16,12 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from trainer.events import parse_event
 from trainer.monitor import alerts as alerts_mod
-from trainer.monitor.state import RunState, num
 from trainer.monitor.system import SystemSampler, disk, process_alive
 from trainer.monitor.tailer import Follower, tail_lines
 from trainer.redact import redact, redact_text
+from trainer.store.events import parse_event
+from trainer.store.run_state import RunState, num
 
 EVENTS = "events.jsonl"
 LOG = "train.log"

@@ -22,9 +22,9 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from trainer.errors import DflashError
-from trainer.events import json_safe
 from trainer.monitor import metrics
 from trainer.monitor.runs import Hub
+from trainer.store.events import json_safe
 
 COOKIE = "dflash_monitor_token"
 MIN_TOKEN = 16

@@ -1,5 +1,5 @@
 """A page-less summary of a run, computed from its event stream only (light side). The numbers come from
-`trainer.monitor.state`, the same state `dflash status` and the monitor page show."""
+`trainer.store.run_state`, the same state `dflash status` and the monitor page show."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from pathlib import Path
 from typing import Any
 
 from trainer.errors import DflashError
-from trainer.events import load_events
-from trainer.monitor.state import state_from_events
 from trainer.redact import redact
+from trainer.store.events import load_events
+from trainer.store.run_state import state_from_events
 
 
 class NoEventsError(DflashError, FileNotFoundError):

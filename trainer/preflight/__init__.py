@@ -20,7 +20,7 @@ Five gates, each listing every problem it finds (a run is refused on any error; 
 - trackers (trackers.py): the package of every tracker `report_to` names is installed.
 
 The findings and their rendering are in report.py. Light side: model folders are read by
-trainer/target.py (config.json as JSON, safetensors files by their headers only); no transformers or
+trainer/target/info.py (config.json as JSON, safetensors files by their headers only); no transformers or
 speculators import. torch is imported only to ask CUDA whether it is there and for its free memory.
 `run_preflight` is the entry of `dflash preflight` and of `dflash train`. Docs: docs/preflight.md.
 """
@@ -43,8 +43,8 @@ from trainer.preflight.trackers import trackers_gate
 from trainer.preflight.vllm_family import vllm_family_gate
 
 if TYPE_CHECKING:
-    from trainer.config import RunConfig
-    from trainer.target import TargetInfo
+    from trainer.config.run import RunConfig
+    from trainer.target.info import TargetInfo
 
 __all__ = ["PreflightReport", "run_preflight"]
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from trainer.config import RunConfig
+from trainer.config.run import RunConfig
 from trainer.data import (
     REGENERATE_FIX,
     DataError,
@@ -24,7 +24,7 @@ from trainer.data import (
 )
 from trainer.preflight.drafter import MASK_FIX
 from trainer.preflight.report import PreflightReport, pct
-from trainer.target import TargetInfo
+from trainer.target.info import TargetInfo
 
 # ---------------------------------------------------------------- data gate
 
@@ -77,9 +77,9 @@ def data_gate(cfg: RunConfig, target: TargetInfo | None, report: PreflightReport
 def _draft_vocab_check(cfg: RunConfig, target: TargetInfo, report: PreflightReport) -> None:
     """The share of supervised tokens the draft vocabulary keeps: the drafter can never propose the
     others (each costs the block there)."""
-    from trainer.draft_vocab import draft_vocab_for
+    from trainer.drafter.vocab import draft_vocab_for
 
-    # the same counts as the drafter's build in this process (trainer/draft_vocab.py counts once)
+    # the same counts as the drafter's build in this process (trainer/drafter/vocab.py counts once)
     dv = draft_vocab_for(cfg.data.path, cfg.drafter.draft_vocab_size, target.vocab)
     report.data["draft_vocab_coverage"] = dv.coverage
     if dv.coverage < DRAFT_VOCAB_MIN_COVERAGE:

@@ -21,9 +21,9 @@ from trainer.layout.disk import GB, DiskPart
 from trainer.preflight.shm import SHM
 
 if TYPE_CHECKING:
-    from trainer.config import RunConfig
+    from trainer.config.run import RunConfig
     from trainer.preflight.report import PreflightReport
-    from trainer.target import TargetInfo
+    from trainer.target.info import TargetInfo
 
 
 def nearest_existing(path: Path) -> Path:
@@ -75,8 +75,8 @@ def run_parts(cfg: RunConfig, target: TargetInfo | None, out: Path, shm: Path = 
         parts.append(disk.checkpoints_part(target.shapes(cfg), cfg.train.keep_checkpoints, str(out)))
     folder = spool_folder(cfg, shm)
     if folder is not None and target is not None:
+        from trainer.layout.server_tap import server_layer_ids
         from trainer.preflight.shm import spool_bytes
-        from trainer.sources.vllm_server import server_layer_ids
 
         layers = len(server_layer_ids(cfg.drafter.aux_ids, target.num_layers))
         source = f"{layers} tapped layers x hidden {target.hidden}, in target.vllm.storage_dir {folder}"

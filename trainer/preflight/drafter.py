@@ -1,6 +1,6 @@
 """The drafter's config gates: aux layer ids (in speculators' convention, after conversion), the mask
 token (against the target's config and, when the folder has one, its tokenizer) and the block size,
-`drafter.init: target`'s copy plan (trainer/drafter_init.py), and a warm-start checkpoint's wiring
+`drafter.init: target`'s copy plan (trainer/drafter/target_init.py), and a warm-start checkpoint's wiring
 (fc width, aux ids, hidden size)."""
 
 from __future__ import annotations
@@ -10,14 +10,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from trainer.drafter_init import FIX as INIT_FIX
-from trainer.drafter_init import plan_target_init
+from trainer.drafter.target_init import FIX as INIT_FIX
+from trainer.drafter.target_init import plan_target_init
 from trainer.preflight.report import PreflightReport
-from trainer.target import TargetInfo, read_json, read_weight_headers
-from trainer.tokenizer_files import TokenizerFiles
+from trainer.target.info import TargetInfo, read_json, read_weight_headers
+from trainer.target.tokenizer import TokenizerFiles
 
 if TYPE_CHECKING:
-    from trainer.config import RunConfig
+    from trainer.config.run import RunConfig
 
 MASK_FIX = (
     "set drafter.mask_token_id to a real, otherwise unused row of the target embedding: the first row "

@@ -23,8 +23,8 @@ from trainer.layout.recipe import ASSUMPTIONS, GIB, PlanError, read_target
 from trainer.preflight.report import PreflightReport
 
 if TYPE_CHECKING:
-    from trainer.config import RunConfig
-    from trainer.target import TargetInfo
+    from trainer.config.run import RunConfig
+    from trainer.target.info import TargetInfo
 
 FIX = (
     "let `dflash plan --config RUN.yaml` place it (it sets eval.device to GPUs kept out of training, "

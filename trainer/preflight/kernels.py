@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from trainer.config import RunConfig
+    from trainer.config.run import RunConfig
     from trainer.preflight.report import PreflightReport
-    from trainer.target import TargetInfo
+    from trainer.target.info import TargetInfo
 
 # (import name, file inside it transformers resolves, PyPI distribution, what it speeds up)
 KERNELS = (

@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING
 
 from trainer.layout.sizing import per_device_bytes
 from trainer.preflight.report import PreflightReport
-from trainer.target import TargetInfo
+from trainer.target.info import TargetInfo
 
 if TYPE_CHECKING:
-    from trainer.config import RunConfig
+    from trainer.config.run import RunConfig
 
 GIB = float(2**30)
 MEMORY_TIGHT_SHARE = 0.9  # warn above this share of the device's memory

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from trainer.target import WeightHeaders
+    from trainer.target.info import WeightHeaders
 
 
 @dataclass(frozen=True)

@@ -31,9 +31,9 @@ from typing import TYPE_CHECKING
 from trainer.layout import disk
 
 if TYPE_CHECKING:
-    from trainer.config import RunConfig
+    from trainer.config.run import RunConfig
     from trainer.preflight.report import PreflightReport
-    from trainer.target import TargetInfo
+    from trainer.target.info import TargetInfo
 
 MIB = float(2**20)
 SHM = Path("/dev/shm")
@@ -42,7 +42,7 @@ VLLM_QUEUES_BYTES = 10 * 24 * 2**20  # MessageQueue's default max_chunks x max_c
 
 def spool_tokens(cfg: RunConfig) -> int:
     """The most tokens one trainer rank has in hidden-state files at once (trainer/layout/disk.py)."""
-    from trainer.sources.vllm_server import longest_document
+    from trainer.layout.server_tap import longest_document
 
     return disk.spool_tokens(
         cfg.target.vllm.prefetch_batches, cfg.train.max_tokens_per_batch, longest_document(cfg)
@@ -53,8 +53,8 @@ def spool_bytes(cfg: RunConfig, target: TargetInfo, cpu: bool, local_ranks: int 
     """The hidden-state files in the folder at once (trainer/layout/disk.py): `spool_tokens` per trainer
     rank of this node (`local_ranks`, default $LOCAL_WORLD_SIZE, 1 outside torchrun), at each tapped
     layer (the aux ids and the verifier's last state), in the server's dtype."""
-    from trainer.sources.vllm_server import server_layer_ids
-    from trainer.sources.vllm_target import server_dtype
+    from trainer.layout.server_tap import server_layer_ids
+    from trainer.preflight.vllm_request import server_dtype
 
     width = 4 if server_dtype(cfg, cpu) == "float32" else 2
     layers = len(server_layer_ids(cfg.drafter.aux_ids, target.num_layers))

@@ -1,5 +1,5 @@
 """The target gate: target.path is a model folder with a readable config.json and complete safetensors
-weights (headers only, read by trainer/target.py); its shapes are what the other gates check against."""
+weights (headers only, read by trainer/target/info.py); its shapes are what the other gates check against."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from trainer.preflight.report import PreflightReport
-from trainer.target import TargetInfo, read_weight_headers
+from trainer.target.info import TargetInfo, read_weight_headers
 
 if TYPE_CHECKING:
-    from trainer.config import RunConfig
+    from trainer.config.run import RunConfig
 
 TARGET_FETCH_FIX = (
     "point target.path at a complete local transformers model folder (config.json + *.safetensors), "
@@ -51,7 +51,7 @@ def target_gate(cfg: RunConfig, report: PreflightReport) -> TargetInfo | None:
 
 def source_gate(cfg: RunConfig, target: TargetInfo | None, report: PreflightReport) -> None:
     """`target.source: vllm`: what can be known before a server is started or asked, and what the run
-    will ask of the server (trainer/sources/vllm_target.py: context length, layer ids, dtype) against
+    will ask of the server (trainer/preflight/vllm_request.py: context length, layer ids, dtype) against
     the target's limits. The server's own identity (model, layers, context) is checked by the source
     itself on its first answer."""
     if cfg.target.source != "vllm":
@@ -90,7 +90,7 @@ def source_gate(cfg: RunConfig, target: TargetInfo | None, report: PreflightRepo
 def _server_request_check(cfg: RunConfig, report: PreflightReport) -> None:
     import torch
 
-    from trainer.sources.vllm_target import server_request
+    from trainer.preflight.vllm_request import server_request
 
     req = server_request(cfg, cpu=not torch.cuda.is_available())
     report.target["vllm_server"] = req.to_dict()

@@ -7,9 +7,9 @@ from typing import TYPE_CHECKING
 from trainer.trackers import INSTALL_FIX, missing_message, missing_packages
 
 if TYPE_CHECKING:
-    from trainer.config import RunConfig
+    from trainer.config.run import RunConfig
     from trainer.preflight.report import PreflightReport
-    from trainer.target import TargetInfo
+    from trainer.target.info import TargetInfo
 
 
 def trackers_gate(cfg: RunConfig, target: TargetInfo | None, report: PreflightReport) -> None:

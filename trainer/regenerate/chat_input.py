@@ -28,7 +28,7 @@ from typing import Any
 
 from trainer import jsonin
 from trainer.errors import DflashError
-from trainer.fsutil import atomic_write_text
+from trainer.store.fsutil import atomic_write_text
 
 FORMATS = ("sharegpt", "ultrachat", "messages", "prompt")
 SHAREGPT_ROLES = {

@@ -11,13 +11,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from trainer.fsutil import atomic_write_text
 from trainer.regenerate import turns
 from trainer.regenerate.backends import GenerationBackend, make_backend
 from trainer.regenerate.core import check_empty_share, is_empty_row, plan_batches, respond, save_dataset
 from trainer.regenerate.meta import DATA_META, META_SCHEMA_VERSION, RegenerateError, read_data_meta
 from trainer.regenerate.options import RegenOptions, check_options
 from trainer.regenerate.progress import BatchPusher, RegenEvents
+from trainer.store.fsutil import atomic_write_text
 
 # --backend vllm: the engine's output, in the partial run's folder (kept beside its batches when it dies)
 ENGINE_LOG = "vllm-engine.log"
@@ -270,10 +270,10 @@ def data_gate_or_refuse(dataset: Path, target: Path) -> None:
     target's vocabulary, before the final name. Only what no run could use is refused here (ids outside
     the vocabulary, mismatched lengths, samples without a supervised pair); the thresholds that depend
     on a run (data.max_length, preflight.min_supervised_tokens) are `dflash preflight`'s."""
-    from trainer.config import config_from_dict
+    from trainer.config.run import config_from_dict
     from trainer.preflight.data import data_gate
     from trainer.preflight.report import PreflightReport
-    from trainer.target import TargetInfo
+    from trainer.target.info import TargetInfo
 
     cfg = config_from_dict(
         {

@@ -120,7 +120,7 @@ def family_check(opts: RegenOptions) -> None:
     import torch
 
     from trainer.preflight.vllm_family import cpu_engine_problem, engine_dtype
-    from trainer.target import read_config
+    from trainer.target.info import read_config
 
     cpu = opts.device == "cpu" or not torch.cuda.is_available()
     conf = read_config(Path(opts.target))

@@ -49,8 +49,8 @@ class BatchPusher:
         return False
 
     def push(self, folder: Path, part: str, force: bool = False) -> None:
-        from trainer.manifest import manifest_beside
         from trainer.s3.push import push_folder
+        from trainer.store.manifest import manifest_beside
 
         now = time.monotonic()
         if not force and now - self.last < self.every_s:
@@ -78,11 +78,11 @@ class BatchPusher:
 
 
 class RegenEvents:
-    """The run's event stream (trainer/events.py) when `run_dir` is given: run_start with the batch
+    """The run's event stream (trainer/store/events.py) when `run_dir` is given: run_start with the batch
     count as total_steps, one step per finished batch (response tokens, tokens/s), run_end."""
 
     def __init__(self, run_dir: Path | None, run_id: str):
-        from trainer.events import EventWriter
+        from trainer.store.events import EventWriter
 
         self.writer = EventWriter(run_dir or Path("."), run_id, enabled=run_dir is not None)
         self.t0 = self.gen_t0 = time.time()

@@ -222,7 +222,7 @@ def get_manifest(client, bucket: str, key: str) -> dict[str, Any] | None:
     """The manifest stored at `key` (None when there is none), checked like a local one before any of
     it is used: an object that is not JSON, not a manifest, or names a path outside its set is refused
     (S3Error, exit 2) -- whoever can write to the bucket must not be able to steer a reader's writes."""
-    from trainer.manifest import ManifestError, check_manifest
+    from trainer.store.manifest import ManifestError, check_manifest
 
     label = f"s3://{bucket}/{key}"
     try:

@@ -31,11 +31,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from trainer.fsutil import atomic_write_text, plan_pull, resume_offset, resume_tag_file, sha256_file
-from trainer.manifest import MANIFEST_NAME, manifest_beside
 from trainer.s3 import S3Error
 from trainer.s3 import client as s3lib
 from trainer.s3.pullsafe import check_entries, check_locations, open_partial, place_file, place_link
+from trainer.store.fsutil import atomic_write_text, plan_pull, resume_offset, resume_tag_file, sha256_file
+from trainer.store.manifest import MANIFEST_NAME, manifest_beside
 
 PARTIAL_DIR = ".s3-partial"
 MiB = 2**20
@@ -140,7 +140,7 @@ def pull(
     before anything is written: see `trainer.s3.pullsafe` for what a manifest may not do. Files the
     manifest keeps elsewhere (`locations`) are read only from under its own prefix or a prefix in
     `allow_locations` (`--allow-location`)."""
-    from trainer.manifest import ManifestError, check_manifest, scan
+    from trainer.store.manifest import ManifestError, check_manifest, scan
 
     loc = s3lib.parse_s3_url(url)
     allow_locations = [s3lib.parse_s3_url(a).url() for a in allow_locations]  # a bad one: exit 2 now

@@ -34,8 +34,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainer.fsutil import sha256_file
-from trainer.manifest import MANIFEST_NAME, content_digest, manifest_beside
 from trainer.s3 import S3Error
 from trainer.s3.client import (
     DEFAULT_CHUNK,
@@ -51,6 +49,8 @@ from trainer.s3.client import (
     make_client,
     parse_s3_url,
 )
+from trainer.store.fsutil import sha256_file
+from trainer.store.manifest import MANIFEST_NAME, content_digest, manifest_beside
 
 # ---------------------------------------------------------------- push
 
@@ -174,8 +174,8 @@ def stale_files(set_dir: Path, manifest: dict[str, Any]) -> list[str]:
 
 def push(set_dir: Path, url: str, *args, progress_file: Path | None = None, **kw) -> dict[str, Any]:
     """`_push` (below), with `progress_file`: bytes sent of the bytes to send, rate and ETA
-    (trainer/progress_file.py), ended `failed` with the first error (or the refusal)."""
-    from trainer.progress_file import counting
+    (trainer/store/progress_file.py), ended `failed` with the first error (or the refusal)."""
+    from trainer.store.progress_file import counting
 
     with counting(progress_file, f"push to {url}") as pf:
         report = _push(set_dir, url, *args, sent=pf, **kw)
@@ -205,7 +205,7 @@ def _push(
     salvage set's NOTES.md and report): uploaded after the files, listed in the uploaded manifest's
     `records`, never among its files. Returns the push report; raises S3Error on bad input before any
     transfer."""
-    from trainer.manifest import ManifestError, load_manifest
+    from trainer.store.manifest import ManifestError, load_manifest
 
     set_dir = Path(set_dir)
     loc = parse_s3_url(url)
@@ -425,7 +425,7 @@ def push_folder(
 ) -> dict[str, Any]:
     """`dflash s3 push DIR URL`: DIR's manifest written beside it (`DIR.manifest.json`, digests of
     unchanged files reused), then `push` (a dataset is uploaded once from wherever it was tokenized)."""
-    from trainer.manifest import ManifestError, create_manifest, load_manifest
+    from trainer.store.manifest import ManifestError, create_manifest, load_manifest
 
     folder = Path(folder)
     if not folder.is_dir():

@@ -2,7 +2,7 @@
 
 Layout of a salvage set (`SET/`)::
 
-    MANIFEST.json            trainer.manifest format (relative path -> size + sha256 + mtime_ns)
+    MANIFEST.json            trainer.store.manifest format (relative path -> size + sha256 + mtime_ns)
     run/                     the run folder: run.yaml, events.jsonl, train.log, every other file
     run/checkpoints/         the newest K complete checkpoints (+ the best by eval tau), `latest`
     config/                  the run config file as given (--config), if outside the run folder
@@ -33,11 +33,11 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from trainer.fsutil import atomic_write_text
-from trainer.manifest import MANIFEST_NAME
 from trainer.salvage import MANIFEST_EXCLUDE, STATE_DIR, SalvageError
 from trainer.salvage.facts import code_state, node_facts
 from trainer.salvage.select import LINK_MIN_BYTES, Item, Selection, select
+from trainer.store.fsutil import atomic_write_text
+from trainer.store.manifest import MANIFEST_NAME
 
 __all__ = ["collect", "select", "Item", "Selection"]
 
@@ -185,7 +185,13 @@ def _finish_set(
     t0: float,
 ) -> dict[str, Any]:
     """Remove what is no longer selected, then (re)write the manifest; completes the collect report."""
-    from trainer.manifest import ManifestError, content_digest, create_manifest, load_manifest, same_content
+    from trainer.store.manifest import (
+        ManifestError,
+        content_digest,
+        create_manifest,
+        load_manifest,
+        same_content,
+    )
 
     wanted = {it.rel for it in sel.items}
     removed = []

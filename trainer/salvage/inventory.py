@@ -31,9 +31,9 @@ from typing import Any
 
 import psutil
 
-from trainer.events import load_events
-from trainer.node_marker import read_node_marker
 from trainer.redact import redact_cmdline, redact_text
+from trainer.store.events import load_events
+from trainer.store.node_marker import read_node_marker
 
 COMPUTE_APPS_QUERY = [
     "--query-compute-apps=pid,process_name,used_gpu_memory,gpu_uuid",

@@ -41,7 +41,7 @@ def check_text_files(root: Path, rels: list[str]) -> tuple[list[dict[str, str]],
     """Parse JSON / JSONL / YAML / safetensors headers. (failures, warnings)."""
     import yaml
 
-    from trainer.target import SafetensorsError, read_safetensors_header
+    from trainer.target.info import SafetensorsError, read_safetensors_header
 
     failures, warnings = [], []
     for rel in rels:
@@ -56,7 +56,7 @@ def check_text_files(root: Path, rels: list[str]) -> tuple[list[dict[str, str]],
                     warnings.append(
                         f"{rel}: the last line is incomplete (a writer was killed mid-line); ignored"
                     )
-                # like every reader of an event stream (trainer/events.py): a line that does not parse
+                # like every reader of an event stream (trainer/store/events.py): a line that does not parse
                 # is skipped and named, never a reason to refuse the whole file
                 bad = []
                 for i, line in enumerate(lines[:-1], 1):
@@ -80,7 +80,7 @@ def check_text_files(root: Path, rels: list[str]) -> tuple[list[dict[str, str]],
 
 def check_checkpoint(folder: Path, target: Path | None = None) -> dict[str, Any]:
     """verify SHA256SUMS, load in speculators, run one forward on CPU; the result says how."""
-    from trainer.checkpoint import verify_checkpoint
+    from trainer.store.checkpoint import verify_checkpoint
 
     out: dict[str, Any] = {"ok": False}
     problems = verify_checkpoint(folder)
@@ -103,13 +103,13 @@ def _load_and_forward(folder: Path, target: Path | None) -> dict[str, Any]:
 
     import torch
 
-    from trainer.target import read_safetensors_header
+    from trainer.target.info import read_safetensors_header
 
     read_safetensors_header(folder / "model.safetensors")  # a clear message for a truncated file
     from speculators.losses import resolve_loss_config
     from speculators.models.dflash import DFlashSpeculatorConfig
 
-    from trainer.drafter import load_sdpa_drafter
+    from trainer.drafter.model import load_sdpa_drafter
 
     logging.getLogger("speculators").setLevel(logging.WARNING)
     try:
@@ -182,7 +182,7 @@ def _gate_config(root: Path, dataset: str, manifest: dict[str, Any]):
     """A run config for the data gate: the set's run.yaml with data.path pointed at the copy."""
     import yaml
 
-    from trainer.config import ConfigError, config_from_dict
+    from trainer.config.run import ConfigError, config_from_dict
 
     raw = None
     configs = ["run/run.yaml"] + sorted(
@@ -289,6 +289,6 @@ def check_loadable(
 
 
 def _sums_only(folder: Path) -> list[str]:
-    from trainer.checkpoint import verify_checkpoint
+    from trainer.store.checkpoint import verify_checkpoint
 
     return verify_checkpoint(folder)

@@ -14,13 +14,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainer.fsutil import atomic_write_text
-from trainer.manifest import MANIFEST_NAME, ManifestError, content_digest, load_manifest
 from trainer.redact import redact, redact_text
 from trainer.salvage import NOTES_NAME, REPORT_NAME, STATE_DIR, SalvageError
 from trainer.salvage.session import current_id
 from trainer.salvage.verdict import notes_in_s3, notes_verdict
 from trainer.salvage.verify import load_lines
+from trainer.store.fsutil import atomic_write_text
+from trainer.store.manifest import MANIFEST_NAME, ManifestError, content_digest, load_manifest
 
 STEPS = ("inventory", "stop", "collect", "push", "verify")
 

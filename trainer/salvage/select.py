@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer import checkpoint as ckpt
-from trainer.events import load_events
-from trainer.manifest import manifest_beside
 from trainer.salvage import SalvageError
+from trainer.store import checkpoint as ckpt
+from trainer.store.events import load_events
+from trainer.store.manifest import manifest_beside
 
 LINK_MIN_BYTES = 1 << 20
 

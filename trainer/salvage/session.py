@@ -18,8 +18,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from trainer.fsutil import atomic_write_text
 from trainer.salvage import STATE_DIR
+from trainer.store.fsutil import atomic_write_text
 
 SESSION_NAME = "salvage.json"
 PREVIOUS = "previous"

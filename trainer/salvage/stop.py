@@ -31,12 +31,12 @@ from typing import Any
 
 import psutil
 
-from trainer import checkpoint as ckpt
-from trainer.events import load_events, read_events
-from trainer.node_marker import read_node_marker
 from trainer.salvage import SalvageError
 from trainer.salvage.inventory import classify
 from trainer.salvage.proc import same_process, start_ticks
+from trainer.store import checkpoint as ckpt
+from trainer.store.events import load_events, read_events
+from trainer.store.node_marker import read_node_marker
 
 
 def run_state(run_dir: Path) -> dict[str, Any]:
@@ -288,7 +288,7 @@ def stop_trainer(
 def stop_follower(
     marker: dict[str, Any], report: dict[str, Any], timeout_s: float, check: bool, poll_s: float
 ) -> dict[str, Any]:
-    """Stop this node's share of a multi-node run, found by its node marker (trainer/node_marker.py).
+    """Stop this node's share of a multi-node run, found by its node marker (trainer/store/node_marker.py).
     Any rank's SIGTERM is agreed by every rank before the next checkpoint decision, so the whole run
     stops, rank 0 writes the final checkpoint on node 0, and this node's marker ends with status
     `stopped`. When node 0 was stopped first, the marker already says so."""

@@ -6,7 +6,7 @@
    read back and hashed, have that manifest's sha256 and size (the listing is never trusted); the
    object's sha256 metadata agrees too, and S3's own manifest describes the same set (same content
    digest). Without `--out`, S3 can only be compared with its own manifest, and the report says so.
-   Paths from S3's manifest are checked (`trainer.manifest.check_manifest`) and read-back copies are
+   Paths from S3's manifest are checked (`trainer.store.manifest.check_manifest`) and read-back copies are
    written only inside the work folder.
 3. Loadability of what was read back (`loadable.py`): JSON/JSONL/YAML files parse, every safetensors
    header parses and covers its file, every checkpoint verifies its SHA256SUMS, loads in speculators and
@@ -26,9 +26,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from trainer.manifest import MANIFEST_NAME
 from trainer.salvage import MANIFEST_EXCLUDE, RECORDS, STATE_DIR, SalvageError
 from trainer.salvage.loadable import check_loadable, needs_load
+from trainer.store.manifest import MANIFEST_NAME
 
 # ---------------------------------------------------------------- inventory table
 
@@ -167,9 +167,9 @@ def verify_s3(
     `locations` entry) is made only where `referenced` (rel -> s3:// URL: what this salvage's own push
     referenced, from its report) names exactly that address, or under a prefix in `allow` (the user's
     `--allow-location`); any other such entry is an error."""
-    from trainer.manifest import ManifestError, content_digest, inside
     from trainer.s3 import client as s3
     from trainer.s3.pullsafe import within
+    from trainer.store.manifest import ManifestError, content_digest, inside
 
     loc = s3.parse_s3_url(url)
     allowed = [s3.parse_s3_url(a) for a in allow]
@@ -341,7 +341,7 @@ def verify_local(
     load_checkpoints: bool = True,
 ) -> dict[str, Any]:
     """The same proof for a salvage set on disk (e.g. fetched to the controller)."""
-    from trainer.manifest import ManifestError, content_digest, load_manifest, verify_manifest
+    from trainer.store.manifest import ManifestError, content_digest, load_manifest, verify_manifest
 
     set_dir = Path(set_dir)
     if not set_dir.is_dir():

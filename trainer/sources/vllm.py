@@ -35,14 +35,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from trainer.layout.server_tap import REQUEST_THREADS, server_layer_ids
 from trainer.sources.base import Captured
-from trainer.sources.vllm_server import (
-    REQUEST_THREADS,
-    VllmServerError,
-    VllmServerMismatch,
-    server_layer_ids,
-)
-from trainer.target import TargetInfo
+from trainer.sources.vllm_server import VllmServerError, VllmServerMismatch
+from trainer.target.info import TargetInfo
 
 Warn = Callable[[str, str], None]  # (kind, message)
 
@@ -353,7 +349,8 @@ def _same_model(served: Path, target: Path) -> bool:
 def open_vllm_source(cfg, device: torch.device, *, d=None, warn: Warn | None = None) -> VllmSource:
     """The run's VllmSource: on target.vllm.url, or on a server the main rank starts now (its URL
     handed to the other ranks); the owned server stops with the source."""
-    from trainer.sources.vllm_server import longest_document, start_owned_server
+    from trainer.layout.server_tap import longest_document
+    from trainer.sources.vllm_server import start_owned_server
 
     v = cfg.target.vllm
     url, server = v.url, None

@@ -25,12 +25,11 @@ from pathlib import Path
 
 from trainer.errors import DflashError, ExitCode
 from trainer.preflight.vllm_family import prefix_caching_off
-from trainer.target import read_config
+from trainer.target.info import read_config
 from trainer.vllm_engine import CPU_KV_CACHE_BYTES, cpu_engine_env, engine_error_line, multimodal
 
 CUDA_CONNECTOR = ("HiddenStatesConnector", "trainer.sources.vllm_connector")  # class, module
 CPU_CONNECTOR = ("CpuHiddenStatesConnector", "trainer.sources.vllm_connector")
-REQUEST_THREADS = 8  # documents a VllmSource has in flight at once (each: request, read, delete)
 
 
 class VllmServerError(DflashError, RuntimeError):
@@ -99,12 +98,6 @@ def server_environment(
             "vLLM refuses its hidden-state connector with expandable segments; the trainer keeps them"
         )
     return env, said
-
-
-def server_layer_ids(aux_ids: list[int], num_layers: int) -> list[int]:
-    """The layer ids the server keeps: the run's aux ids, then the verifier's last hidden state (id
-    num_layers in speculators' convention: the final norm's input) unless it is already one of them."""
-    return list(aux_ids) + ([] if num_layers in aux_ids else [num_layers])
 
 
 def free_port() -> int:
@@ -263,19 +256,13 @@ class OwnedServer:
         self.stop()
 
 
-def longest_document(cfg) -> int:
-    """The longest document a run sends (samples above data.max_length are dropped, packs cut at the
-    batch's token limit)."""
-    return min(cfg.data.max_length, cfg.train.max_tokens_per_batch)
-
-
 def owned_server_command(cfg, port: int, host: str = "127.0.0.1") -> tuple[list[str], dict[str, str], Path]:
     """The `vllm serve` command for a run's own server, the environment changes it needs (its GPUs) and
     its storage folder. What it asks of the server (context, layers, dtype) is `server_request`'s, the
     one preflight checked; a problem there is refused here too (a run started without preflight)."""
     import torch
 
-    from trainer.sources.vllm_target import server_request
+    from trainer.preflight.vllm_request import server_request
 
     v = cfg.target.vllm
     cpu = not torch.cuda.is_available()

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 from trainer.errors import DflashError
 
 if TYPE_CHECKING:
-    from trainer.config import RunConfig
-    from trainer.events import EventWriter
+    from trainer.config.run import RunConfig
+    from trainer.store.events import EventWriter
     from trainer.trackers.sidecar import TrackerProcess
 
 # tracker -> (the module its client imports, the package that provides it: requirements/trackers.txt)

@@ -1,5 +1,5 @@
 """The trackers follow the run's own event stream: each one in its own daemon thread reads
-`events.jsonl` from where the run started (trainer.events.read_events) and hands every event on to its
+`events.jsonl` from where the run started (trainer.store.events.read_events) and hands every event on to its
 tracker. The training loop only writes events, as it always does: a slow tracker falls behind (the file is
 its buffer: nothing is dropped, nothing piles up in memory) and a failing one never reaches the step.
 
@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from trainer.events import EventWriter, read_events
+from trainer.store.events import EventWriter, read_events
 from trainer.trackers.clients import Tracker
 
 # fields of an event that are no figure to chart

@@ -22,7 +22,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from trainer.events import EventWriter
+from trainer.store.events import EventWriter
 from trainer.trackers.clients import TRACKER_CLASSES, Tracker
 
 WAIT_MARGIN_S = 15.0  # beyond close_timeout_s: the sidecar's own start and exit

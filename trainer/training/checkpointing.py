@@ -1,6 +1,6 @@
 """Checkpointing as the loop uses it: resume from global rank 0's newest verified checkpoint, and
 save the state after a step. Both are collectives (every rank calls them; rank 0 reads and writes
-the folder, `trainer.checkpoint` owns its format).
+the folder, `trainer.store.checkpoint` owns its format).
 
 The interface is the trainer's state, named in `TrainState`: the run config, the ranks, the event
 writer and what a checkpoint holds (the drafter, its sharding, optimizer, scheduler and sampler,
@@ -14,7 +14,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from trainer import checkpoint as ckpt
+from trainer.store import checkpoint as ckpt
 from trainer.training.distributed import all_ranks, gather_objects
 from trainer.training.state import rng_state, set_rng_state
 
@@ -24,7 +24,7 @@ class TrainState(Protocol):
 
     cfg: Any
     d: Any  # trainer.training.distributed.Dist
-    events: Any  # trainer.events.EventWriter
+    events: Any  # trainer.store.events.EventWriter
     drafter: Any
     sharding: Any  # trainer.training.sharding.Sharding
     optimizer: Any
@@ -63,7 +63,7 @@ def resume(tr: TrainState) -> None:
                 "starting from step 0 (checkpoints are rank 0's)"
             )
         return
-    from trainer.drafter import check_same_draft_vocab, read_trainable_weights
+    from trainer.drafter.model import check_same_draft_vocab, read_trainable_weights
 
     lacking = [r for r, n in enumerate(names) if n != chosen]
     if lacking:

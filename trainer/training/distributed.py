@@ -25,7 +25,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from trainer.config import RunConfig
+from trainer.config.run import RunConfig
 from trainer.device import choose_device
 
 

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trainer.config.eval import holdout_file
 from trainer.eval.record import eval_event_fields
-from trainer.training.eval_config import holdout_file
 
 EVALS_DIR = "evals"
 DRAFTER_FILES = ("config.json", "model.safetensors")  # a speculators folder: what `dflash eval` loads
@@ -139,7 +139,7 @@ class TrainingEval:
         self.close()
 
     def checkpoint(self, step: int) -> Path:
-        from trainer import checkpoint as ckpt
+        from trainer.store import checkpoint as ckpt
 
         return ckpt.checkpoints_dir(self.cfg.out_dir) / ckpt.checkpoint_name(step)
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from trainer.config import RunConfig
+from trainer.config.run import RunConfig
 from trainer.training.distributed import Dist, all_ranks, all_reduce_
 
 

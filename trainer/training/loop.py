@@ -22,11 +22,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainer.config import RunConfig, dump_config
+from trainer.config.run import RunConfig, dump_config
 from trainer.errors import ExitCode
-from trainer.events import EventWriter
-from trainer.node_marker import write_node_marker
 from trainer.sources.vllm_server import VllmServerError
+from trainer.store.events import EventWriter
+from trainer.store.node_marker import write_node_marker
 from trainer.trackers import start_trackers
 from trainer.training import checkpointing
 from trainer.training.budget import BudgetControl
@@ -67,13 +67,13 @@ class Trainer:
         from speculators.losses import resolve_loss_config
 
         from trainer.data import PackedSampler, compute_stats, open_dataset
-        from trainer.drafter import (
+        from trainer.drafter.model import (
             build_drafter,
             count_trainable,
             loss_implementation,
             share_target_embedding,
         )
-        from trainer.sources import make_source
+        from trainer.sources.factory import make_source
 
         cfg, d = self.cfg, self.d
         seed_all(cfg.train.seed)

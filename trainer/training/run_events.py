@@ -1,16 +1,16 @@
 """What the loop tells the event stream and the log, from rank 0: `run_start` (the layout and the
 totals the monitor and the roles read), the step events at `train.log_every` (with the log line at
 ten times that), and `run_end`. The loop hands over figures; the event names and fields live here
-(their schema: trainer/events.py and docs)."""
+(their schema: trainer/store/events.py and docs)."""
 
 from __future__ import annotations
 
 import time
 from typing import Any
 
-from trainer import checkpoint as ckpt
+from trainer.config.duration import BUDGET_ONLY_STEPS
 from trainer.salvage.proc import identity
-from trainer.training.budget import BUDGET_ONLY_STEPS
+from trainer.store import checkpoint as ckpt
 
 
 class RunEvents:

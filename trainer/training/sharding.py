@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainer.config import RunConfig
+from trainer.config.run import RunConfig
 from trainer.training.distributed import Dist
 from trainer.training.muon import MUON_STATE
 from trainer.training.state import make_optimizer

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainer.config import RunConfig
+from trainer.config.run import RunConfig
 
 
 def seed_all(seed: int) -> None:

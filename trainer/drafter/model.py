@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from trainer.config import RunConfig
+from trainer.config.run import RunConfig
 
 
 def resolve_attn_impl(cfg: RunConfig, device: torch.device) -> str:
@@ -70,7 +70,7 @@ def build_drafter(cfg: RunConfig, device: torch.device, head_dtype: torch.dtype 
     """A fresh drafter (its layers random, or the target's last ones with `drafter.init: target`; or
     warm-started from `drafter.warm_start`), trainable params fp32; with
     `drafter.draft_vocab_size`, its heads are the target's rows of the data's most frequent
-    supervised tokens (trainer/draft_vocab.py). `head_dtype`: store the frozen heads in that dtype
+    supervised tokens (trainer/drafter/vocab.py). `head_dtype`: store the frozen heads in that dtype
     (bf16 under bf16 autocast, see cast_frozen_heads)."""
     import logging
 
@@ -81,7 +81,7 @@ def build_drafter(cfg: RunConfig, device: torch.device, head_dtype: torch.dtype 
     vocab = int(tl.vocab_size)
     mapping = {}
     if cfg.drafter.draft_vocab_size is not None:  # the data's most frequent supervised tokens
-        from trainer.draft_vocab import draft_vocab_for
+        from trainer.drafter.vocab import draft_vocab_for
 
         dv = draft_vocab_for(cfg.data.path, cfg.drafter.draft_vocab_size, vocab)
         mapping, vocab = {"t2d": dv.t2d, "d2t": dv.d2t}, dv.size
@@ -102,8 +102,8 @@ def build_drafter(cfg: RunConfig, device: torch.device, head_dtype: torch.dtype 
     if head_dtype is not None:
         cast_frozen_heads(model, head_dtype)
     if cfg.drafter.init == "target":  # preflight refused a target it cannot copy; this checks again
-        from trainer.drafter_init import init_from_target
-        from trainer.target import TargetInfo
+        from trainer.drafter.target_init import init_from_target
+        from trainer.target.info import TargetInfo
 
         layers = TargetInfo.from_folder(cfg.target.path).num_layers
         init_from_target(model, cfg.target.path, layers, cfg.drafter.intermediate_size)

@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from trainer.events import load_events
+from trainer.store.events import load_events
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 LEVERS = {

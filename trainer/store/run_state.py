@@ -43,7 +43,7 @@ class RunState:
 
     def reset(self) -> None:
         self.events = 0
-        self.skipped = 0  # lines of the stream that were no usable event (trainer.events.parse_event)
+        self.skipped = 0  # lines of the stream that were no usable event (trainer.store.events.parse_event)
         self.rewinds = 0  # bumped when a resume replays steps and the curves are cut back
         self.run_id: str | None = None
         self.starts: list[dict[str, Any]] = []  # run_start events minus their bulky config
@@ -61,7 +61,7 @@ class RunState:
         self.first_time: float | None = None
         self.last_time: float | None = None
         # 40 bytes a step event (int64 step, four float64 values): a million steps is 40 MB
-        self.steps = array("q")  # curve x (a step is at most trainer.events.MAX_COUNT)
+        self.steps = array("q")  # curve x (a step is at most trainer.store.events.MAX_COUNT)
         self.curves = {k: array("d") for k in CURVES}
         self.nonfinite_steps: list[int] = []
         self.checkpoints: list[dict[str, Any]] = []

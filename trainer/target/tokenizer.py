@@ -1,6 +1,6 @@
 """What a model folder's tokenizer files say about token ids, read as JSON (no tokenizers/transformers):
 how many ids the tokenizer produces, its added tokens, the ids of its pad/bos/eos/unk/mask tokens and
-its chat template. trainer/target.py reads the folder's config.json and weights; this reads
+its chat template. trainer/target/info.py reads the folder's config.json and weights; this reads
 tokenizer.json, tokenizer_config.json and chat_template.jinja / chat_template.json.
 
 Used where the mask token is chosen (`dflash init`, trainer/run_init.py) and checked (`dflash

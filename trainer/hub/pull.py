@@ -16,7 +16,7 @@ object's sha256), resolves REVISION to its commit and downloads every file of th
   once more from the start (the partial may be stale); a fresh one is not.
 
 It finishes by writing the manifest beside DIR (`DIR.manifest.json`, the format of
-trainer/manifest.py, `source: hf://REPO@COMMIT`), so `dflash manifest verify DIR DIR.manifest.json`
+trainer/store/manifest.py, `source: hf://REPO@COMMIT`), so `dflash manifest verify DIR DIR.manifest.json`
 re-proves the copy any time. The token is read from a file (`--token-file`, 0600, written by the role
 from the vault and removed afterwards): never in argv or the environment. HF_HUB_OFFLINE must be off
 for this verb (the trainer keeps it on). Light side: huggingface_hub is imported lazily, no torch.
@@ -36,8 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from trainer.errors import DflashError, ExitCode
-from trainer.fsutil import atomic_write_text, plan_pull, resume_offset, resume_tag_file
-from trainer.manifest import MANIFEST_VERSION, ManifestError, check_rel, manifest_beside
+from trainer.store.fsutil import atomic_write_text, plan_pull, resume_offset, resume_tag_file
+from trainer.store.manifest import MANIFEST_VERSION, ManifestError, check_rel, manifest_beside
 
 PARTIAL_DIR = ".hf-partial"
 MiB = 2**20

@@ -118,7 +118,7 @@ def init_from_target(model, target: Path, target_layers: int, intermediate: int 
     import torch
     from safetensors import safe_open
 
-    from trainer.target import read_weight_headers
+    from trainer.target.info import read_weight_headers
 
     headers = read_weight_headers(Path(target))
     plan = plan_target_init(headers.tensors, target_layers, len(model.layers), intermediate)

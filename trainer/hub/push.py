@@ -1,7 +1,7 @@
 """An export onto the Hugging Face Hub with its model card (`dflash export --push-to-hub ORG/NAME`).
 
 After `dflash export` has written and reload-verified the speculators folder, the folder and a model
-card generated from the run (trainer/hub_card.py, written beside the weights as README.md) go to the
+card generated from the run (trainer/hub/card.py, written beside the weights as README.md) go to the
 model repo ORG/NAME on branch `--revision` (default main), in one commit through huggingface_hub's
 own client (`HfApi.create_repo(exist_ok)`, `create_branch(exist_ok)`, `create_commit`):
 
@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from trainer import jsonin
-from trainer.fsutil import atomic_write_text
-from trainer.hub import (
+from trainer.hub.card import render_card
+from trainer.hub.pull import (
     HubError,
     HubFailed,
     check_endpoint,
@@ -36,7 +36,7 @@ from trainer.hub import (
     read_token,
     unreachable,
 )
-from trainer.hub_card import render_card
+from trainer.store.fsutil import atomic_write_text
 
 EXPORT_INFO = "dflash_export.json"  # written by trainer/export.py beside the weights
 CARD = "README.md"
@@ -59,7 +59,7 @@ class HubPush:
             source = Path(jsonin.loads((out / EXPORT_INFO).read_bytes())["source"]).resolve()
         except (OSError, ValueError, KeyError, TypeError):
             raise HubError(f"--out {out} exists and is not a finished export: choose a new folder") from None
-        from trainer.checkpoint import LATEST, resolve_checkpoint
+        from trainer.store.checkpoint import LATEST, resolve_checkpoint
 
         given = Path(checkpoint)  # RUN/checkpoints/latest: the checkpoint it names
         given = ((resolve_checkpoint(given) if given.name == LATEST else None) or given).resolve()

@@ -2,9 +2,9 @@
 and to do, rate, ETA and state, rewritten atomically every few seconds by the process doing the work.
 A role starts the step in the background (Ansible `async`) and prints one line per answer of `dflash
 progress`, so a 65 GB pull, a 4 GB install or a salvage push is never minutes of silence.
-Where dflash is not installed yet (python_env's uv install), `python -m trainer.progress_file run FILE
+Where dflash is not installed yet (python_env's uv install), `python -m trainer.store.progress_file run FILE
 --label L --measure DIR... -- CMD...` runs CMD and writes the file from the growth of the DIRs, and
-`python -m trainer.progress_file wait FILE --wait S` reads it (PYTHONPATH: the synced source).
+`python -m trainer.store.progress_file wait FILE --wait S` reads it (PYTHONPATH: the synced source).
 Light side: stdlib only."""
 
 from __future__ import annotations
@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     """`run` and `wait` for a host where dflash is not installed yet (see the module's text)."""
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m trainer.progress_file", usage="%(prog)s run|wait ...")
+    ap = argparse.ArgumentParser(prog="python -m trainer.store.progress_file", usage="%(prog)s run|wait ...")
     sub = ap.add_subparsers(dest="verb", required=True)
     r = sub.add_parser("run", help="run a command, writing the growth of folders to FILE")
     r.add_argument("file", type=Path)

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from trainer.config import RunConfig
+from trainer.config.run import RunConfig
 from trainer.errors import DflashError
 
 
@@ -31,7 +31,7 @@ def capture_samples(cfg: RunConfig, samples: int, out: Path) -> dict[str, object
     from safetensors.torch import save_file
 
     from trainer.data import compute_stats, open_dataset
-    from trainer.sources import make_source
+    from trainer.sources.factory import make_source
 
     if samples < 1:
         raise CaptureError(f"--samples {samples}: capture at least one sample")

@@ -13,7 +13,7 @@ import annotated_types as at
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from trainer.config import RunConfig
+from trainer.config.run import RunConfig
 
 
 def _type_name(ann: Any) -> str:
@@ -50,7 +50,7 @@ def _holds_float(ann: Any) -> bool:
 
 def float_fields() -> list[tuple[str, FieldInfo]]:
     """The leaf keys that hold a float (alone, optional or in a tuple): each is finite and in the
-    range it declares (trainer/config_section.py)."""
+    range it declares (trainer/config/section.py)."""
     return [(key, field) for key, field in leaf_fields() if _holds_float(field.annotation)]
 
 

@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainer.fsutil import atomic_write_text
 from trainer.salvage.proc import identity
+from trainer.store.fsutil import atomic_write_text
 
 NODE_FILE = "node.json"  # in out_dir on every node but node 0 (whose events say the same and more)
 

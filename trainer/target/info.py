@@ -28,7 +28,7 @@ from trainer.layout.hybrid import LinearAttention, read_linear_attention
 from trainer.layout.sizing import Shapes
 
 if TYPE_CHECKING:
-    from trainer.config import RunConfig
+    from trainer.config.run import RunConfig
 
 MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit on the JSON header
 INDEX_NAME = "model.safetensors.index.json"

@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from trainer.config_section import MAX_SECONDS, Section
+from trainer.config.section import MAX_SECONDS, Section
 
 Beta = Annotated[float, Field(ge=0, lt=1)]  # an AdamW beta: a decay rate, 1 or more never forgets
 
@@ -175,7 +175,7 @@ class TrainConfig(Section):
     @field_validator("time_budget")
     @classmethod
     def _time_budget(cls, v: str | None) -> str | None:
-        from trainer.training.budget import parse_duration
+        from trainer.config.duration import parse_duration
 
         if v is not None:
             parse_duration(v)  # refused here, before any work: exit 2 with the form to write
@@ -188,14 +188,14 @@ class TrainConfig(Section):
         if isinstance(data, dict) and data.get("time_budget") is not None:
             if data.get("warmup_steps") is not None:
                 raise ValueError("train.warmup_steps counts steps; with train.time_budget use warmup_ratio")
-            from trainer.training.budget import BUDGET_ONLY_STEPS
+            from trainer.config.duration import BUDGET_ONLY_STEPS
 
             data = {"max_steps": BUDGET_ONLY_STEPS} | data
         return data
 
     @property
     def time_budget_s(self) -> float | None:
-        from trainer.training.budget import parse_duration
+        from trainer.config.duration import parse_duration
 
         return None if self.time_budget is None else parse_duration(self.time_budget)
 

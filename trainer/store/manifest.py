@@ -30,7 +30,7 @@ from typing import Any
 
 from trainer import jsonin
 from trainer.errors import DflashError
-from trainer.fsutil import atomic_write_text, sha256_file
+from trainer.store.fsutil import atomic_write_text, sha256_file
 
 MANIFEST_VERSION = 1
 # Partial-transfer folders (rsync --partial-dir of the data_sync role; `dflash s3 pull`): never data.

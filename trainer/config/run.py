@@ -19,11 +19,11 @@ from pydantic import (
     field_validator,
 )
 
-from trainer import user_yaml
-from trainer.config_section import MAX_SECONDS, Section
-from trainer.config_train import TrainConfig
+from trainer.config import user_yaml
+from trainer.config.eval import EvalConfig
+from trainer.config.section import MAX_SECONDS, Section
+from trainer.config.train import TrainConfig
 from trainer.errors import DflashError
-from trainer.training.eval_config import EvalConfig
 
 SCHEMA_VERSION = 1
 
@@ -126,7 +126,7 @@ class DrafterConfig(Section):
         "random",
         description="the fresh drafter's layers: random, or target: copies of the target's last "
         "num_layers layers (attention, MLP, norms), its final norm, fc passing the deepest aux layer "
-        "through (trainer/drafter_init.py); not with warm_start",
+        "through (trainer/drafter/target_init.py); not with warm_start",
     )
     draft_vocab_size: int | None = Field(
         None,
@@ -317,6 +317,6 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConf
 
 def dump_config(cfg: RunConfig, path: Path) -> None:
     """Write the resolved config (atomic) so a run folder records exactly what ran."""
-    from trainer.fsutil import atomic_write_text
+    from trainer.store.fsutil import atomic_write_text
 
     atomic_write_text(path, yaml.safe_dump(cfg.to_dict(), sort_keys=False))

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.errors import DflashError, ExitCode
-from trainer.fsutil import atomic_write_text, dir_size, fsync_dir, sha256_file
+from trainer.store.fsutil import atomic_write_text, dir_size, fsync_dir, sha256_file
 
 SUMS = "SHA256SUMS"
 STATE = "trainer_state.pt"

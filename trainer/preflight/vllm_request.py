@@ -17,11 +17,11 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from trainer.sources.vllm_server import longest_document, server_layer_ids
-from trainer.target import TargetInfo, read_config
+from trainer.layout.server_tap import longest_document, server_layer_ids
+from trainer.target.info import TargetInfo, read_config
 
 if TYPE_CHECKING:
-    from trainer.config import RunConfig
+    from trainer.config.run import RunConfig
 
 # vLLM's keys for a model's context length, the smallest present wins (derive_max_model_len_and_key)
 LENGTH_KEYS = (
