@@ -6,6 +6,11 @@
   a fresh interpreter, so one module cannot hide another's heavy import.
 - No module imports another module's private (`_underscore`) names: what is shared gets a public name
   in one home.
+- One home per concept, visible from the folders (docs/code-map.md): at most ten modules loose at
+  `trainer/`, every folder a package; no import circle at module level, and none through imports
+  inside functions beyond the ones kept on purpose; the light packages (config, store, target, hub,
+  layout, preflight, cli) take nothing from `training/`, `sources/` or `monitor/` (the CLI's handlers,
+  which import their implementation when they run, excepted). The graph is read with `ast`.
 """
 
 from __future__ import annotations
@@ -118,6 +123,7 @@ BARE = (
     "trainer.store",
     "trainer.store.events",
     "trainer.store.manifest",
+    "trainer.store.progress_file",
     "trainer.target",
     "trainer.target.info",
     "trainer.target.tokenizer",
@@ -135,6 +141,9 @@ BARE = (
     "trainer.cli.node",
     "trainer.cli.gpu",
 )
+# what a role runs with `python -m` before dflash (or anything beside the standard library) is installed:
+# the python_env role's install watcher, on the synced source (roles/python_env/tasks/install.yml)
+STDLIB_ONLY = ("trainer.store.progress_file",)
 
 
 @pytest.mark.parametrize("module", LIGHT)
@@ -254,3 +263,226 @@ def test_eval_and_export_import_each_other_in_one_direction():
     circles = sorted(m for m in graph if m in reach(m))
     assert "trainer.eval.run" in graph and graph["trainer.eval.served"]  # the check sees the modules
     assert circles == [], f"import circle through {circles}"
+
+
+@pytest.mark.parametrize("module", STDLIB_ONLY)
+def test_bare_python_module_runs_on_the_standard_library_alone(module):
+    # `python -m MODULE --help` as a role runs it, the package's __init__ files on the way included, in
+    # an interpreter without site-packages (-S): what a venv that is still being installed offers
+    code = (
+        "import json, runpy, sys\n"
+        "before = set(sys.modules)\n"
+        f"sys.argv = [{module!r}, '--help']\n"
+        f"try:\n    runpy.run_module({module!r}, run_name='__main__', alter_sys=True)\n"
+        "except SystemExit as exc:\n    assert exc.code in (0, None), exc.code\n"
+        "new = {m.split('.')[0] for m in set(sys.modules) - before}\n"
+        "print(json.dumps(sorted(new - set(sys.stdlib_module_names) - {'trainer'})))"
+    )
+    res = subprocess.run(
+        [sys.executable, "-S", "-c", code], capture_output=True, text=True, cwd=ROOT, check=False
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert json.loads(res.stdout.strip().splitlines()[-1]) == [], f"{module} needs more than the stdlib"
+
+
+# ---------------------------------------------------------------- the import graph: folders and circles
+
+MAX_ROOT_MODULES = 10  # modules loose at trainer/ (its __init__.py not counted): the rest lives in folders
+# the light packages: what `dflash --help`, plan, preflight and the bare-node steps stand on. They take
+# nothing from the heavy folders: a piece of their own concept that lives there moves into them.
+LIGHT_PACKAGES = (
+    "trainer.config",
+    "trainer.store",
+    "trainer.target",
+    "trainer.hub",
+    "trainer.layout",
+    "trainer.preflight",
+    "trainer.cli",
+)
+HEAVY_FOLDERS = ("trainer.training", "trainer.sources", "trainer.monitor")
+# checked at module level only: the CLI's handlers import their implementation when they run (that is
+# the CLI's job); every other light package is checked inside its functions too
+DISPATCHERS = ("trainer.cli",)
+# (light module, heavy module) -> why: an import the rule above allows, each with its reason. Empty.
+LIGHT_TO_HEAVY_ALLOWED: dict[tuple[str, str], str] = {}
+# circles through imports inside functions (never at import time), each kept on purpose:
+LAZY_CIRCLES_ALLOWED = (
+    # `dflash salvage all` runs each salvage step through the CLI's own `main` (cli/salvage_all.py)
+    {"trainer.cli", "trainer.cli.salvage", "trainer.cli.salvage_all"},
+    # a salvage session's steps are recorded in NOTES.md and read back by the verify step
+    {"trainer.salvage.notes", "trainer.salvage.session", "trainer.salvage.verify"},
+)
+
+
+def _is_type_checking(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+def _import_targets(node: ast.AST, root: Path) -> list[str]:
+    """The modules an import statement binds: `from a.b import c` is a.b.c when that is a module, else
+    a.b; `import a.b` is a.b."""
+
+    def is_module(dotted: str) -> bool:
+        base = root.joinpath(*dotted.split("."))
+        return base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()
+
+    if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "trainer":
+        return [
+            f"{node.module}.{a.name}" if is_module(f"{node.module}.{a.name}") else node.module
+            for a in node.names
+        ]
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names if a.name.split(".")[0] == "trainer" and is_module(a.name)]
+    return []
+
+
+def _imports_of(tree: ast.Module, root: Path, lazy: bool) -> set[str]:
+    """The trainer modules a module imports when it is imported (`lazy`: inside its functions too);
+    never what an `if TYPE_CHECKING:` block names."""
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if _is_type_checking(node):  # never runs: only its else branch counts
+            children = node.orelse
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not lazy:
+            return  # runs when called, not when the module is imported
+        else:
+            found.update(_import_targets(node, root))
+            children = list(ast.iter_child_nodes(node))
+        for child in children:
+            visit(child)
+
+    visit(tree)
+    return found
+
+
+def import_graph(root: Path = ROOT, lazy: bool = False) -> dict[str, set[str]]:
+    """module -> the trainer modules it imports (at module level; `lazy`: inside functions too)."""
+    graph = {}
+    for path in sorted((root / "trainer").rglob("*.py")):
+        parts = path.relative_to(root).with_suffix("").parts
+        module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        graph[module] = _imports_of(ast.parse(path.read_text(), filename=str(path)), root, lazy) - {module}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The strongly connected components of more than one module (Tarjan), each an import circle."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[set[str]] = []
+
+    def connect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in graph:
+                continue
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.add(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(component)
+
+    for v in sorted(graph):
+        if v not in index:
+            connect(v)
+    return found
+
+
+def root_modules(root: Path = ROOT) -> list[str]:
+    return sorted(p.name for p in (root / "trainer").glob("*.py") if p.name != "__init__.py")
+
+
+def light_to_heavy(graph: dict[str, set[str]], lazy: bool) -> list[str]:
+    """`light -> heavy` for each import of a heavy folder by a light package's module."""
+
+    def within(module: str, packages: tuple[str, ...]) -> bool:
+        return any(module == p or module.startswith(p + ".") for p in packages)
+
+    return sorted(
+        f"{m} -> {d}"
+        for m, deps in graph.items()
+        if within(m, LIGHT_PACKAGES) and not (lazy and within(m, DISPATCHERS))
+        for d in deps
+        if within(d, HEAVY_FOLDERS) and (m, d) not in LIGHT_TO_HEAVY_ALLOWED
+    )
+
+
+def test_no_import_circle_at_module_level():
+    graph = import_graph()
+    assert "trainer.config.run" in graph and graph["trainer.config.run"]  # the check sees the imports
+    assert circles(graph) == [], f"import circles: {[sorted(c) for c in circles(graph)]}"
+
+
+def test_no_new_import_circle_through_functions():
+    # a circle closed by an import inside a function does not fail at import time, but it still ties
+    # the two concepts together: only the ones kept on purpose (LAZY_CIRCLES_ALLOWED) stay
+    new = [
+        sorted(c) for c in circles(import_graph(lazy=True)) if not any(c <= ok for ok in LAZY_CIRCLES_ALLOWED)
+    ]
+    assert new == [], f"import circles through imports inside functions: {new}"
+
+
+def test_at_most_ten_modules_loose_at_the_package_root():
+    loose = root_modules()
+    assert len(loose) <= MAX_ROOT_MODULES, (
+        f"{len(loose)} modules at trainer/: {loose}; put a concept's modules in its folder (docs/code-map.md)"
+    )
+
+
+def test_every_folder_of_the_package_is_a_package():
+    # packages.find in pyproject.toml ships only folders with an __init__.py; amx_site/ is a site folder
+    # put first on a vLLM CPU engine's PYTHONPATH (trainer/vllm_engine.py), not a package
+    missing = sorted(
+        str(d.relative_to(ROOT))
+        for d in (ROOT / "trainer").rglob("*")
+        if d.is_dir() and any(d.glob("*.py")) and not (d / "__init__.py").is_file() and d.name != "amx_site"
+    )
+    assert missing == [], f"folders of trainer/ without __init__.py: {missing}"
+
+
+def test_light_packages_take_nothing_from_the_heavy_folders():
+    found = light_to_heavy(import_graph(), lazy=False) + light_to_heavy(import_graph(lazy=True), lazy=True)
+    assert sorted(set(found)) == [], (
+        "light packages importing training/, sources/ or monitor/:\n" + "\n".join(sorted(set(found)))
+    )
+
+
+def test_the_graph_checks_can_fail(tmp_path):
+    # each check above fails on a new violation: a circle (at module level, and through a function),
+    # an eleventh loose module, a light package reaching into a heavy folder
+    pkg = tmp_path / "trainer"
+    for folder in ("config", "training"):
+        (pkg / folder).mkdir(parents=True)
+        (pkg / folder / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "config" / "run.py").write_text("from trainer.training.budget import parse\n")
+    (pkg / "training" / "budget.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import trainer.a\n"
+        "def parse():\n    from trainer.config import run\n"
+    )
+    for i in range(MAX_ROOT_MODULES + 1):
+        (pkg / f"m{i}.py").write_text("import trainer.m0\n" if i == 1 else "")
+    (pkg / "a.py").write_text("")
+    (pkg / "m0.py").write_text("from trainer import m1\n")
+    assert circles(import_graph(tmp_path)) == [{"trainer.m0", "trainer.m1"}]
+    assert {"trainer.config.run", "trainer.training.budget"} in circles(import_graph(tmp_path, lazy=True))
+    assert "trainer.a" not in import_graph(tmp_path, lazy=True)["trainer.training.budget"]  # TYPE_CHECKING
+    assert len(root_modules(tmp_path)) == MAX_ROOT_MODULES + 2
+    assert light_to_heavy(import_graph(tmp_path), lazy=False) == [
+        "trainer.config.run -> trainer.training.budget"
+    ]
