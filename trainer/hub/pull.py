@@ -31,13 +31,14 @@ import re
 import shutil
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from trainer.errors import DflashError, ExitCode
-from trainer.store.fsutil import atomic_write_text, plan_pull, resume_offset, resume_tag_file
+from trainer.store.fsutil import atomic_write_text
 from trainer.store.manifest import MANIFEST_VERSION, ManifestError, check_rel, manifest_beside
+from trainer.store.resumable import fetch_all, fetch_verified, nothing_fetched, plan_pull, resume_offset
 
 PARTIAL_DIR = ".hf-partial"
 MiB = 2**20
@@ -120,18 +121,18 @@ def digests(path: Path) -> tuple[str, str]:
     return sha.hexdigest(), blob.hexdigest()
 
 
-def _matches(entry: dict[str, Any], size: int, sha256: str, blob: str) -> bool:
-    if size != entry["size"]:
-        return False
-    return sha256 == entry["lfs_sha256"] if entry["lfs_sha256"] else blob == entry["blob_id"]
-
-
-def _why(entry: dict[str, Any], size: int, sha256: str, blob: str) -> str:
-    if size != entry["size"]:
-        return f"{size} bytes, the Hub says {entry['size']}"
+def _refusal(entry: dict[str, Any], got: dict[str, Any]) -> str | None:
+    """Why a downloaded file is not the one the Hub lists (None: it is): its size, then its LFS sha256
+    or, for a file kept in git, its blob id."""
+    if got["size"] != entry["size"]:
+        return f"{got['size']} bytes, the Hub says {entry['size']}"
     if entry["lfs_sha256"]:
-        return f"sha256 {sha256[:12]}..., the Hub's LFS sha256 is {entry['lfs_sha256'][:12]}..."
-    return f"git blob id {blob[:12]}..., the Hub's is {entry['blob_id'][:12]}..."
+        if got["sha256"] == entry["lfs_sha256"]:
+            return None
+        return f"sha256 {got['sha256'][:12]}..., the Hub's LFS sha256 is {entry['lfs_sha256'][:12]}..."
+    if got["blob"] == entry["blob_id"]:
+        return None
+    return f"git blob id {got['blob'][:12]}..., the Hub's is {entry['blob_id'][:12]}..."
 
 
 def listing(api, repo: str, revision: str) -> tuple[str, dict[str, dict[str, Any]]]:
@@ -177,7 +178,8 @@ def local_state(path: Path, entry: dict[str, Any]) -> tuple[str, str | None]:
     if path.stat().st_size != entry["size"]:
         return "differs", None
     sha, blob = digests(path)
-    return ("same", sha) if _matches(entry, entry["size"], sha, blob) else ("differs", None)
+    same = _refusal(entry, {"size": entry["size"], "sha256": sha, "blob": blob}) is None
+    return ("same", sha) if same else ("differs", None)
 
 
 def _fetch(url: str, token: str | None, entry: dict[str, Any], part: Path, endpoint: str) -> dict[str, Any]:
@@ -240,66 +242,34 @@ def pull(
 
     t0 = time.monotonic()
     plan = plan_pull(dest, files, PARTIAL_DIR, local_state, workers)
-    states, todo, need, free, free_at = plan.states, plan.todo, plan.need, plan.free, plan.free_at
     partial_root = dest / PARTIAL_DIR
-    report: dict[str, Any] = {
-        "hub": f"hf://{repo}@{rev}",
-        "commit": commit,
-        "dest": str(dest),
-        "check": check,
-        "files": len(files),
-        "bytes": sum(e["size"] for e in files.values()),
-        "present": len(files) - len(todo),
-        "to_download": len(todo),
-        "to_download_bytes": need,
-        "plan": plan.rows(files),
-    }
-    if need > free:
-        raise HubError(
-            f"{dest}: {need / 2**30:.2f} GiB to download but only {free / 2**30:.2f} GiB free on "
-            f"{free_at}; nothing was downloaded"
-        )
+    report: dict[str, Any] = {"hub": f"hf://{repo}@{rev}", "commit": commit}
+    report.update(plan.report(dest, files, check))
+    if plan.shortfall(dest):
+        raise HubError(plan.shortfall(dest))
     if check:
-        report.update(downloaded=0, downloaded_bytes=0, resumed_bytes=0, failed=[], ok=True)
-        report["seconds"] = round(time.monotonic() - t0, 3)
+        report.update(nothing_fetched(), ok=True, seconds=round(time.monotonic() - t0, 3))
         return report
 
     dest.mkdir(parents=True, exist_ok=True)
-    sums = {r: sha for r, (s, sha) in states.items() if s == "same"}
+    sums = {r: sha for r, (s, sha) in plan.states.items() if s == "same"}
     lock = threading.Lock()
 
     def one(rel: str) -> dict[str, Any]:
         entry, part = files[rel], partial_root / rel
         url = hf_hub_url(repo, rel, revision=commit, endpoint=endpoint)
-        res: dict[str, Any] = {"path": rel, "bytes": 0, "resumed_from": 0}
-        try:
-            for attempt in range(2):
-                got = _fetch(url, token, entry, part, endpoint)
-                res["bytes"] += got["bytes"]
-                if attempt == 0:
-                    res["resumed_from"] = got["resumed_from"]
-                if _matches(entry, got["size"], got["sha256"], got["blob"]):
-                    os.chmod(part, 0o644)
-                    (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-                    os.replace(part, dest / rel)
-                    resume_tag_file(part).unlink(missing_ok=True)
-                    with lock:
-                        sums[rel] = got["sha256"]
-                    res["ok"] = True
-                    return res
-                why = _why(entry, got["size"], got["sha256"], got["blob"])
-                part.unlink(missing_ok=True)  # refused: never left under its final name
-                resume_tag_file(part).unlink(missing_ok=True)
-                if got["resumed_from"] == 0:
-                    break  # a fresh download that is wrong: the Hub serves other bytes than it names
-            res.update(ok=False, error=f"refused: {why} (deleted, not placed)")
-        except Exception as exc:  # noqa: BLE001 - one failed file must not hide the others' results
-            res.update(ok=False, error=f"{type(exc).__name__}: {exc}")
-        return res
 
-    with ThreadPoolExecutor(max(1, workers)) as pool:
-        results = list(pool.map(one, todo))
-    failed = [{"path": r["path"], "error": r["error"]} for r in results if not r["ok"]]
+        def place(got: dict[str, Any]) -> None:
+            os.chmod(part, 0o644)
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            os.replace(part, dest / rel)
+            with lock:
+                sums[rel] = got["sha256"]
+
+        fetch = partial(_fetch, url, token, entry, part, endpoint)
+        return fetch_verified(rel, part, fetch, partial(_refusal, entry), place)
+
+    totals, failed = fetch_all(plan.todo, one, workers)
     if not failed:
         shutil.rmtree(partial_root, ignore_errors=True)
         entries = {}
@@ -316,9 +286,7 @@ def pull(
         }
         atomic_write_text(manifest_beside(dest), json.dumps(manifest, indent=1) + "\n")
     report.update(
-        downloaded=sum(r["ok"] for r in results),
-        downloaded_bytes=sum(r["bytes"] for r in results),
-        resumed_bytes=sum(r["resumed_from"] for r in results),
+        totals,
         failed=failed,
         manifest=None if failed else str(manifest_beside(dest)),
         ok=not failed,

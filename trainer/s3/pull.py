@@ -27,15 +27,16 @@ import os
 import shutil
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from trainer.s3 import S3Error
 from trainer.s3 import client as s3lib
 from trainer.s3.pullsafe import check_entries, check_locations, open_partial, place_file, place_link
-from trainer.store.fsutil import atomic_write_text, plan_pull, resume_offset, resume_tag_file, sha256_file
+from trainer.store.fsutil import atomic_write_text, sha256_file
 from trainer.store.manifest import MANIFEST_NAME, manifest_beside
+from trainer.store.resumable import fetch_all, fetch_verified, nothing_fetched, plan_pull, resume_offset
 
 PARTIAL_DIR = ".s3-partial"
 MiB = 2**20
@@ -83,6 +84,16 @@ def _object_sizes(
 
 def _why_object(size: int | None, expected: int) -> str:
     return "absent" if size is None else f"{size} bytes, the manifest says {expected}"
+
+
+def _refusal(entry: dict[str, Any], got: dict[str, Any]) -> str | None:
+    """Why a downloaded object is not the bytes its manifest names (None: it is)."""
+    if got["sha256"] == entry["sha256"]:
+        return None
+    return (
+        f"sha256 {got['sha256'][:12]}..., the manifest says {entry['sha256'][:12]}... (the object does not "
+        "hold the bytes its manifest names)"
+    )
 
 
 def _local_state(path: Path, entry: dict[str, Any]) -> tuple[str, str | None]:
@@ -181,71 +192,32 @@ def pull(
 
     t0 = time.monotonic()
     plan = plan_pull(dest, files, PARTIAL_DIR, _local_state, workers)
-    todo, need, free, free_at = plan.todo, plan.need, plan.free, plan.free_at
     partial_root = dest / PARTIAL_DIR
-    report: dict[str, Any] = {
-        "s3": loc.url(),
-        "dest": str(dest),
-        "check": check,
-        "files": len(files),
-        "links": len(links),
-        "bytes": sum(e["size"] for e in files.values()),
-        "present": len(files) - len(todo),
-        "to_download": len(todo),
-        "to_download_bytes": need,
-        "plan": plan.rows(files),
-    }
-    if need > free:
-        raise S3Error(
-            f"{dest}: {need / 2**30:.2f} GiB to download but only {free / 2**30:.2f} GiB free on "
-            f"{free_at}; nothing was downloaded"
-        )
+    report: dict[str, Any] = {"s3": loc.url(), **plan.report(dest, files, check), "links": len(links)}
+    if plan.shortfall(dest):
+        raise S3Error(plan.shortfall(dest))
     if check:
-        report.update(
-            downloaded=0,
-            downloaded_bytes=0,
-            resumed_bytes=0,
-            failed=[],
-            links_placed=0,
-            ok=True,
-            seconds=round(time.monotonic() - t0, 3),
-        )
+        report.update(nothing_fetched(), links_placed=0, ok=True, seconds=round(time.monotonic() - t0, 3))
         return report
 
     dest.mkdir(parents=True, exist_ok=True)
     throttle = _Throttle(bwlimit_kbps)
-    bar = s3lib.Progress(need, f"download from {loc.url()}", progress)
+    bar = s3lib.Progress(plan.need, f"download from {loc.url()}", progress)
 
     def one(rel: str) -> dict[str, Any]:
         bucket, key, _ = objects[rel]
         entry, part = files[rel], partial_root / rel
-        res: dict[str, Any] = {"path": rel, "bytes": 0, "resumed_from": 0}
-        try:
-            for attempt in range(2):
-                got = _fetch(client, bucket, key, entry, part, throttle, bar)
-                res["bytes"] += got["bytes"]
-                if attempt == 0:
-                    res["resumed_from"] = got["resumed_from"]
-                if got["sha256"] == entry["sha256"]:
-                    place_file(part, dest, rel, entry.get("mtime_ns"))
-                    resume_tag_file(part).unlink(missing_ok=True)
-                    res["ok"] = True
-                    return res
-                part.unlink(missing_ok=True)  # a bad partial (or a bad transfer): once more from the start
-                resume_tag_file(part).unlink(missing_ok=True)
-            res.update(
-                ok=False,
-                error=f"sha256 {got['sha256'][:12]}... after two downloads, the manifest says "
-                f"{entry['sha256'][:12]}... (the object does not hold the bytes its manifest names)",
-            )
-        except Exception as exc:  # noqa: BLE001 - one failed object must not hide the others' results
-            res.update(ok=False, error=f"{type(exc).__name__}: {exc}")
-        return res
+        return fetch_verified(
+            rel,
+            part,
+            partial(_fetch, client, bucket, key, entry, part, throttle, bar),
+            partial(_refusal, entry),
+            lambda got: place_file(part, dest, rel, entry.get("mtime_ns")),
+            again_when_fresh=True,  # a bad transfer: once more from the start
+        )
 
-    with ThreadPoolExecutor(max(1, workers)) as pool:
-        results = list(pool.map(one, todo))
+    totals, failed = fetch_all(plan.todo, one, workers)
     bar.close()
-    failed = [{"path": r["path"], "error": r["error"]} for r in results if not r["ok"]]
     placed_links = 0
     for rel, to in links.items():
         try:
@@ -258,9 +230,7 @@ def pull(
         atomic_write_text(manifest_beside(dest), _manifest_text(manifest))
     local, local_links = scan(dest)
     report.update(
-        downloaded=sum(r["ok"] for r in results),
-        downloaded_bytes=sum(r["bytes"] for r in results),
-        resumed_bytes=sum(r["resumed_from"] for r in results),
+        totals,
         failed=failed,
         links_placed=placed_links,
         extra=sorted(set(local) - set(files)) + sorted(set(local_links) - set(links)),
