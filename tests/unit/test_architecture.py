@@ -50,6 +50,7 @@ LIGHT = (
     "trainer.store.manifest",
     "trainer.store.node_marker",
     "trainer.store.progress_file",
+    "trainer.store.resumable",
     "trainer.store.run_state",
     "trainer.target",
     "trainer.target.info",

@@ -21,7 +21,7 @@ from pydantic import (
 
 from trainer.config import user_yaml
 from trainer.config.eval import EvalConfig
-from trainer.config.section import MAX_SECONDS, Section
+from trainer.config.section import Section, seconds
 from trainer.config.train import TrainConfig
 from trainer.errors import DflashError
 
@@ -62,12 +62,8 @@ class VllmSourceConfig(Section):
     gpu_memory_utilization: float = Field(
         0.85, gt=0, le=1, description="share of its GPUs' memory the owned server may take"
     )
-    start_timeout_s: float = Field(
-        900.0, gt=0, le=MAX_SECONDS, description="time the owned server may take to load"
-    )
-    request_timeout_s: float = Field(
-        300.0, gt=0, le=MAX_SECONDS, description="time one hidden-state request may take"
-    )
+    start_timeout_s: float = seconds(900.0, "time the owned server may take to load")
+    request_timeout_s: float = seconds(300.0, "time one hidden-state request may take")
     retries: int = Field(
         5, ge=0, description="retries of a failed request (backoff 1, 2, 4 ... s, capped at 30 s)"
     )
@@ -180,12 +176,7 @@ class TrackersConfig(Section):
         "online: streamed (WANDB_API_KEY from the environment)",
     )
     max_failures: int = Field(3, ge=1, description="a tracker that fails this many times is dropped")
-    close_timeout_s: float = Field(
-        30.0,
-        gt=0,
-        le=MAX_SECONDS,
-        description="time the trackers get at the run's end to write what is left",
-    )
+    close_timeout_s: float = seconds(30.0, "time the trackers get at the run's end to write what is left")
 
 
 class RunConfig(Section):

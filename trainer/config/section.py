@@ -8,10 +8,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 MAX_WHOLE = 2**53  # any count a config holds: beyond it a float has already lost the number
 MAX_SECONDS = 30 * 86400.0  # any timeout a config holds: past it, a wait that never ends
+
+
+def seconds(default: float, description: str) -> Any:
+    """A timeout or wait in seconds, as every section declares one: more than zero, at most
+    MAX_SECONDS."""
+    return Field(default, gt=0, le=MAX_SECONDS, description=description)
 
 
 class Section(BaseModel):

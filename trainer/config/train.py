@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from trainer.config.section import MAX_SECONDS, Section
+from trainer.config.section import Section, seconds
 
 Beta = Annotated[float, Field(ge=0, lt=1)]  # an AdamW beta: a decay rate, 1 or more never forgets
 
@@ -121,17 +121,12 @@ class TrainConfig(Section):
         "not of all, at the cost of one more forward of the draft layers",
     )
     log_every: int = Field(1, ge=1, description="steps between step events")
-    stop_timeout_s: float = Field(
-        600.0,
-        gt=0,
-        le=MAX_SECONDS,
-        description="bound on SIGTERM -> final checkpoint -> exit; past it the run exits 3",
+    stop_timeout_s: float = seconds(
+        600.0, "bound on SIGTERM -> final checkpoint -> exit; past it the run exits 3"
     )
-    collective_timeout_s: float = Field(
+    collective_timeout_s: float = seconds(
         900.0,
-        gt=0,
-        le=MAX_SECONDS,
-        description="bound on one collective (all-reduce, barrier): a rank or node that is gone fails the "
+        "bound on one collective (all-reduce, barrier): a rank or node that is gone fails the "
         "others' run after this, and torchrun restarts the group; above the slowest checkpoint write",
     )
     stall_factor: float = Field(
@@ -140,9 +135,7 @@ class TrainConfig(Section):
         le=1e6,
         description="a step running this many times the median step is a stall (warning event)",
     )
-    stall_min_s: float = Field(
-        120.0, gt=0, le=MAX_SECONDS, description="never call a step stalled before this many seconds"
-    )
+    stall_min_s: float = seconds(120.0, "never call a step stalled before this many seconds")
     agreement_every: int = Field(
         50,
         ge=1,
