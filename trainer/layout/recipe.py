@@ -146,20 +146,14 @@ class Recipe:
 
 
 def shapes(t: TargetShape, r: Recipe) -> Shapes:
-    return Shapes(
-        target_params=t.params,
-        target_dtype_bytes=DTYPE_BYTES[t.dtype],
-        hidden=t.hidden,
-        vocab=t.vocab,
-        intermediate=t.intermediate,
-        heads=t.heads,
-        kv_heads=t.kv_heads,
-        head_dim=t.head_dim,
+    return Shapes.of(
+        t,
+        t.params,
+        DTYPE_BYTES[t.dtype],
         draft_layers=r.draft_layers,
         draft_intermediate=r.draft_intermediate,
         n_aux=r.n_aux,
         draft_vocab=r.draft_vocab,
-        linear=t.linear,
     )
 
 

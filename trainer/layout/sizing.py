@@ -106,6 +106,9 @@ ASSUMPTIONS: dict[str, Any] = {
 }
 
 
+TARGET_WIDTHS = ("hidden", "vocab", "intermediate", "heads", "kv_heads", "head_dim", "linear")  # Shapes.of
+
+
 @dataclass(frozen=True)
 class Shapes:
     """What the model needs of a target and a drafter (speculators' Qwen3-style draft layers)."""
@@ -124,6 +127,18 @@ class Shapes:
     n_aux: int = 5
     draft_vocab: int | None = None  # drafter.draft_vocab_size (None: the whole vocabulary)
     linear: LinearAttention | None = None  # a hybrid target's linear-attention layers
+
+    @classmethod
+    def of(cls, target: Any, params: int, dtype_bytes: int, **drafter: Any) -> Shapes:
+        """A target's shapes from what names its widths as this class does (trainer/target/info.py's
+        `TargetInfo`, the plan's `TargetShape`: without attention biases), with `params` parameters of
+        `dtype_bytes` each, and the drafter's keywords (draft_layers, draft_intermediate, n_aux,
+        draft_vocab)."""
+        widths = {k: getattr(target, k) for k in TARGET_WIDTHS}
+        bias = getattr(target, "attention_bias", False)
+        return cls(
+            target_params=params, target_dtype_bytes=dtype_bytes, attention_bias=bias, **widths, **drafter
+        )
 
     def decoder_layer_params(self, intermediate: int | None = None) -> int:
         return self.decoder_layer_matrix_params(intermediate) + self._decoder_layer_vectors()

@@ -261,22 +261,17 @@ class TargetInfo:
     def shapes(self, cfg: RunConfig | None = None, dtype_bytes: int = 2, with_params: bool = True) -> Shapes:
         """This target (and, with `cfg`, its drafter) in the terms of trainer/layout/sizing.py."""
         d = cfg.drafter if cfg is not None else None
-        return Shapes(
-            target_params=self.params if with_params else 0,
-            target_dtype_bytes=dtype_bytes,
-            hidden=self.hidden,
-            vocab=self.vocab,
-            intermediate=self.intermediate,
-            heads=self.heads,
-            kv_heads=self.kv_heads,
-            head_dim=self.head_dim,
-            attention_bias=self.attention_bias,
-            draft_layers=d.num_layers if d else 1,
-            draft_intermediate=d.intermediate_size if d else None,
-            n_aux=len(d.aux_ids) if d else 1,
-            draft_vocab=d.draft_vocab_size if d else None,
-            linear=self.linear,
+        drafter = (
+            {"draft_layers": 1, "n_aux": 1}
+            if d is None
+            else {
+                "draft_layers": d.num_layers,
+                "draft_intermediate": d.intermediate_size,
+                "n_aux": len(d.aux_ids),
+                "draft_vocab": d.draft_vocab_size,
+            }
         )
+        return Shapes.of(self, self.params if with_params else 0, dtype_bytes, **drafter)
 
     def decoder_layer_params(self, intermediate: int | None = None) -> int:
         """Parameters of one Qwen3-style decoder layer of this width (the drafter's layers too)."""
