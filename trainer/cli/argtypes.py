@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Callable
+from typing import TypeVar
+
+N = TypeVar("N", int, float)
 
 
 def _whole(text: str) -> int:
@@ -25,60 +29,73 @@ def _number(text: str) -> float:
     return v
 
 
-def positive(text: str) -> int:
-    """A count of at least 1 (workers, samples, steps)."""
-    v = _whole(text)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
-    return v
+def _bounded(
+    name: str, parse: Callable[[str], N], within: Callable[[N], bool], refusal: str, doc: str
+) -> Callable[[str], N]:
+    """An argparse type named `name`: `parse(text)` (a whole or a finite number), refused with
+    `refusal` (formatted with the value `v` and the `text` as typed) where `within(v)` is false.
+    The name stays the function's own (`positive`, `port`): argparse and the bad-input cases read it."""
+
+    def check(text: str) -> N:
+        v = parse(text)
+        if not within(v):
+            raise argparse.ArgumentTypeError(refusal.format(v=v, text=text))
+        return v
+
+    check.__name__ = check.__qualname__ = name
+    check.__doc__ = doc
+    return check
 
 
-def count(text: str) -> int:
-    """A count of at least 0 (retries, a bandwidth cap where 0 means none)."""
-    v = _whole(text)
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {v}")
-    return v
-
-
-def port(text: str) -> int:
-    """A TCP port, 0 (the system picks a free one) to 65535."""
-    v = _whole(text)
-    if not 0 <= v <= 65535:
-        raise argparse.ArgumentTypeError(f"a TCP port is 0 to 65535, got {v}")
-    return v
-
-
-def chunk_mib(text: str) -> int:
-    """A multipart part size in MiB: S3 takes 5 MiB to 5 GiB parts (a smaller one is the file's only part)."""
-    v = _whole(text)
-    if not 1 <= v <= 5120:
-        raise argparse.ArgumentTypeError(f"a part size is 1 to 5120 MiB, got {v}")
-    return v
-
-
-def seconds(text: str) -> float:
-    """A duration above 0 seconds (timeouts, intervals)."""
-    v = _number(text)
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"must be above 0 seconds, got {text}")
-    return v
-
-
-def nonnegative(text: str) -> float:
-    """A finite number of at least 0 (a GiB threshold)."""
-    v = _number(text)
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
-    return v
-
-
-def above_zero(text: str) -> float:
-    """A finite number above 0 (a factor, an amount of memory)."""
-    v = _number(text)
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
-    return v
+positive = _bounded(
+    "positive",
+    _whole,
+    lambda v: v >= 1,
+    "must be at least 1, got {v}",
+    "A count of at least 1 (workers, samples, steps).",
+)
+count = _bounded(
+    "count",
+    _whole,
+    lambda v: v >= 0,
+    "must be 0 or more, got {v}",
+    "A count of at least 0 (retries, a bandwidth cap where 0 means none).",
+)
+port = _bounded(
+    "port",
+    _whole,
+    lambda v: 0 <= v <= 65535,
+    "a TCP port is 0 to 65535, got {v}",
+    "A TCP port, 0 (the system picks a free one) to 65535.",
+)
+chunk_mib = _bounded(
+    "chunk_mib",
+    _whole,
+    lambda v: 1 <= v <= 5120,
+    "a part size is 1 to 5120 MiB, got {v}",
+    "A multipart part size in MiB: S3 takes 5 MiB to 5 GiB parts (a smaller one is the file's only part).",
+)
+seconds = _bounded(
+    "seconds",
+    _number,
+    lambda v: v > 0,
+    "must be above 0 seconds, got {text}",
+    "A duration above 0 seconds (timeouts, intervals).",
+)
+nonnegative = _bounded(
+    "nonnegative",
+    _number,
+    lambda v: v >= 0,
+    "must be 0 or more, got {text}",
+    "A finite number of at least 0 (a GiB threshold).",
+)
+above_zero = _bounded(
+    "above_zero",
+    _number,
+    lambda v: v > 0,
+    "must be above 0, got {text}",
+    "A finite number above 0 (a factor, an amount of memory).",
+)
 
 
 def duration(text: str) -> str:

@@ -45,10 +45,13 @@ def _template_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _template_options(args) -> dict:
-    """What `_template_args` parsed, as the keyword arguments EvalOptions and RegenOptions share."""
-    keys = ("chat_template", "thinking", "limit", "ignore_eos")
-    return {k: getattr(args, k) for k in keys}
+def _options_from_args(cls, args, **named):
+    """`cls` (an options dataclass: EvalOptions, RegenOptions) built from the parsed arguments: each
+    field from `named` (renamed or converted) or else from the argument of its own name (every field
+    must be one or the other: a field the parser does not fill is an AttributeError here, not a default)."""
+    from dataclasses import fields
+
+    return cls(**{f.name: named[f.name] if f.name in named else getattr(args, f.name) for f in fields(cls)})
 
 
 def cmd_eval(args) -> int:
@@ -59,23 +62,8 @@ def cmd_eval(args) -> int:
     from trainer.eval.run import EvalOptions, run_eval
 
     return run_eval(
-        EvalOptions(
-            drafters=args.drafter,
-            target=args.target,
-            prompts=args.prompts,
-            out=args.out,
-            max_new_tokens=args.max_new_tokens,
-            block_size=args.block_size,
-            device=args.device,
-            reference=args.reference,
-            check_lossless=args.check_lossless,
-            engine=args.engine,
-            served_tolerance=args.served_tolerance,
-            tree_budgets=tuple(args.tree_budget or ()),
-            tree_top_k=args.tree_top_k,
-            tensor_parallel_size=args.tensor_parallel_size,
-            harness_gpus=args.harness_gpus,
-            **_template_options(args),
+        _options_from_args(
+            EvalOptions, args, drafters=args.drafter, tree_budgets=tuple(args.tree_budget or ())
         )
     )
 
@@ -105,27 +93,14 @@ def cmd_export(args) -> int:
 def cmd_regenerate(args) -> int:
     from trainer.regenerate import RegenOptions, regenerate
 
-    opts = RegenOptions(
-        target=args.target,
-        prompts=args.prompts,
-        out=args.out,
-        max_new_tokens=args.max_new_tokens,
-        batch_size=args.batch_size,
+    opts = _options_from_args(
+        RegenOptions,
+        args,
         backend=args.backend or ("server" if args.server else "transformers"),
-        device=args.device,
-        dtype=args.dtype,
-        tensor_parallel_size=args.tensor_parallel_size,
         servers=tuple(args.server or ()),
-        concurrency=args.concurrency,
         request_timeout_s=args.request_timeout,
-        retries=args.retries,
         server_wait_s=args.server_wait,
-        max_empty_share=args.max_empty_share,
-        run_dir=args.run_dir,
-        push_to=args.push_to,
-        endpoint_url=args.endpoint_url,
         push_every_s=args.push_every,
-        **_template_options(args),
     )
     if args.check_only:
         from trainer.regenerate.options import check_before_engines

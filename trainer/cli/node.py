@@ -118,6 +118,18 @@ def _hub(args) -> int:
     return transfer_report(args, report, text, report["failed"])
 
 
+def _transfer_args(p, workers: int, workers_help: str, progress_help: str) -> None:
+    """The options of a transfer verb (`s3 push`, `s3 pull`, `hub pull`) that `_with_progress` and
+    `transfer_report` read: a dry run, the parallel transfers, the progress and the JSON report."""
+    p.add_argument("--check", action="store_true", help="say what would move, move nothing")
+    p.add_argument("--workers", type=positive, default=workers, help=f"{workers_help} (default {workers})")
+    p.add_argument("--no-progress", action="store_true", help=progress_help)
+    p.add_argument(
+        "--progress-file", type=out_file, help="write bytes, rate and ETA there (`dflash progress`)"
+    )
+    p.add_argument("--json", action="store_true", help="one JSON report on stdout")
+
+
 def _manifest_create(args) -> int:
     from trainer.store.manifest import cmd_create
 
@@ -339,15 +351,7 @@ def register(sub) -> None:
         q.add_argument(
             "--endpoint-url", help="S3 endpoint (default: AWS); credentials: the AWS_* variables or profile"
         )
-        q.add_argument("--check", action="store_true", help="say what would move, move nothing")
-        q.add_argument(
-            "--workers", type=positive, default=workers, help=f"parallel transfers (default {workers})"
-        )
-        q.add_argument("--no-progress", action="store_true", help="no byte progress on stderr")
-        q.add_argument(
-            "--progress-file", type=out_file, help="write bytes, rate and ETA there (`dflash progress`)"
-        )
-        q.add_argument("--json", action="store_true", help="one JSON report on stdout")
+        _transfer_args(q, workers, "parallel transfers", "no byte progress on stderr")
         q.set_defaults(func=_s3)
 
     p = sub.add_parser("hub", help="download a model repo from the Hugging Face Hub, every file proven")
@@ -364,11 +368,5 @@ def register(sub) -> None:
         "--token-file", help="file holding the Hub token (default: huggingface_hub's own: HF_TOKEN, login)"
     )
     h.add_argument("--endpoint", help="Hub endpoint (default: HF_ENDPOINT, else https://huggingface.co)")
-    h.add_argument("--check", action="store_true", help="say what would move, move nothing")
-    h.add_argument("--workers", type=positive, default=4, help="parallel downloads (default 4)")
-    h.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
-    h.add_argument(
-        "--progress-file", type=out_file, help="write bytes, rate and ETA there (`dflash progress`)"
-    )
-    h.add_argument("--json", action="store_true", help="one JSON report on stdout")
+    _transfer_args(h, 4, "parallel downloads", "no progress bars on stderr")
     h.set_defaults(func=_hub)

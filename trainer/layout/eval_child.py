@@ -27,7 +27,7 @@ from typing import Any
 
 from trainer.layout.eval_memory import eval_drafter
 from trainer.layout.inference import plan_harness
-from trainer.layout.recipe import ASSUMPTIONS, DTYPE_BYTES, GIB, PlanError, Recipe, TargetShape, shapes
+from trainer.layout.recipe import ASSUMPTIONS, GIB, PlanError, Recipe, TargetShape, shapes
 
 Layout = tuple[dict[str, Any], str]  # (the training layout, its target.source), as plan.place returns
 
@@ -176,7 +176,7 @@ def _refused(
             )
     choices.append(
         f"eval.device: cpu (~{cpu_need_bytes(t, drafter) / GIB:.0f} GiB of host RAM, slow for "
-        f"{t.params * DTYPE_BYTES[t.dtype] / GIB:.0f} GiB of weights)"
+        f"{t.weight_bytes / GIB:.0f} GiB of weights)"
     )
     choices.append("no eval: section, and `dflash eval` on the checkpoints after training (docs/evaluate.md)")
     return {

@@ -14,7 +14,6 @@ from typing import Any
 
 from trainer.layout.recipe import (
     ASSUMPTIONS,
-    DTYPE_BYTES,
     GIB,
     PlanError,
     Recipe,
@@ -63,8 +62,8 @@ def choose_layout(
                 [(m, k) for m in candidates if m < n and (k := anchors_for(m, shard)) > 0] if thin else []
             )
             reason = (
-                f"target {t.params / 1e9:.1f}B params x {DTYPE_BYTES[t.dtype]} B = "
-                f"{t.params * DTYPE_BYTES[t.dtype] / GIB:.1f} GiB; "
+                f"target {t.params / 1e9:.1f}B params x {t.dtype_bytes} B = "
+                f"{t.weight_bytes / GIB:.1f} GiB; "
                 + ("" if n == 1 else f"fewer than {n} GPUs per copy need more than the budget; ")
                 + f"with {n} per copy and train.shard {shard} each GPU needs ~{need / GIB:.1f} GiB of "
                 f"{memory_gib:.1f} GiB (budget {ASSUMPTIONS['usable_share']:.0%} = {budget / GIB:.1f} GiB)"

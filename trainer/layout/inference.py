@@ -29,7 +29,6 @@ from trainer.layout.eval_memory import device_map_fill, drafter_shapes, eval_dra
 from trainer.layout.hybrid import forward_working_bytes, transformers_state_bytes
 from trainer.layout.recipe import (
     ASSUMPTIONS,
-    DTYPE_BYTES,
     GIB,
     PlanError,
     Recipe,
@@ -43,13 +42,13 @@ from trainer.layout.split import tp_divides, vllm_gpu_bytes
 
 def kv_bytes_per_token(t: TargetShape) -> int:
     """K and V of one token over the full-attention layers (a hybrid's linear layers keep none)."""
-    return 2 * t.full_layers * t.kv_heads * t.head_dim * DTYPE_BYTES[t.dtype]
+    return 2 * t.full_layers * t.kv_heads * t.head_dim * t.dtype_bytes
 
 
 def harness_cache_bytes(t: TargetShape, tokens: int) -> int:
     """transformers' cache for one sequence of `tokens`: K/V per token of the full-attention layers and,
     for a hybrid target, the linear layers' conv and recurrent state (trainer/layout/hybrid.py)."""
-    return tokens * kv_bytes_per_token(t) + transformers_state_bytes(t.linear, DTYPE_BYTES[t.dtype])
+    return tokens * kv_bytes_per_token(t) + transformers_state_bytes(t.linear, t.dtype_bytes)
 
 
 def plan_engine(t: TargetShape, memory_gib: float, count: int) -> dict[str, Any]:
@@ -85,7 +84,7 @@ def plan_engine(t: TargetShape, memory_gib: float, count: int) -> dict[str, Any]
             "tried": tried,
             "reason": (
                 f"TP {tp}: the smallest size whose GPU holds, with room, its share of the "
-                f"{t.params * DTYPE_BYTES[t.dtype] / GIB:.1f} GiB target and the KV cache of "
+                f"{t.weight_bytes / GIB:.1f} GiB target and the KV cache of "
                 f"{a['inference_sequences']} x {a['inference_tokens_per_sequence']} tokens, "
                 f"~{need / GIB:.1f} GiB of {budget / GIB:.1f} GiB "
                 f"(gpu_memory_utilization {a['offline_engine_gpu_memory_utilization']})" + "".join(thin)
@@ -107,7 +106,7 @@ def harness_working_bytes(t: TargetShape, tokens: int) -> float:
     """What one harness forward over `tokens` positions holds beyond the weights and the KV cache: the
     MLP working set (sizing's `target_mlp_copies`; a hybrid's Gated DeltaNet layer's when larger), the
     logits (fp32) and the CUDA reserve."""
-    wb = DTYPE_BYTES[t.dtype]
+    wb = t.dtype_bytes
     return (
         max(
             tokens * t.intermediate * ASSUMPTIONS["target_mlp_copies"] * wb,
@@ -121,7 +120,7 @@ def harness_working_bytes(t: TargetShape, tokens: int) -> float:
 def target_units(t: TargetShape) -> list[int]:
     """The target's bytes as `device_map` places them, unit by unit in load order: the embedding, each
     decoder layer (a no-split module), the final norm, the lm_head (none when tied)."""
-    wb = DTYPE_BYTES[t.dtype]
+    wb = t.dtype_bytes
     embed = t.vocab * t.hidden
     rest = max(0, t.params - embed * (1 if t.tied else 2) - t.hidden)
     units = [embed * wb] + [rest // t.layers * wb] * t.layers + [t.hidden * wb]
@@ -140,7 +139,7 @@ def plan_harness(
     fp32 weights and its working set) on the first GPU, whose `max_memory` is lowered by that much."""
     tokens = ASSUMPTIONS["inference_tokens_per_sequence"]
     budget = memory_gib * GIB * ASSUMPTIONS["usable_share"]
-    weights = t.params * DTYPE_BYTES[t.dtype]
+    weights = t.weight_bytes
     kv = harness_cache_bytes(t, tokens)
     working = harness_working_bytes(t, tokens)
     d = (drafter["drafter_weights"] + drafter["drafter_working"]) if drafter else 0
@@ -199,7 +198,7 @@ def plan_harness(
 def _state(t: TargetShape) -> str:
     if t.linear is None:
         return ""
-    state = transformers_state_bytes(t.linear, DTYPE_BYTES[t.dtype])
+    state = transformers_state_bytes(t.linear, t.dtype_bytes)
     return (
         f"; {t.full_layers} full-attention layers, {t.linear.layers} linear-attention layers' "
         f"state {state / 2**20:.0f} MiB per sequence"

@@ -74,6 +74,16 @@ class TargetShape:
         """The layers that keep K and V per token (all but the linear-attention ones)."""
         return self.layers - (self.linear.layers if self.linear else 0)
 
+    @property
+    def dtype_bytes(self) -> int:
+        """Bytes of one weight (or K/V value) in the target's dtype."""
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def weight_bytes(self) -> int:
+        """The target's weights in its dtype."""
+        return self.params * self.dtype_bytes
+
 
 def read_target(config_path: Path, dtype: str = "bfloat16") -> TargetShape:
     """The target's shapes from its config.json (or the folder holding it), read by trainer/target/info.py.

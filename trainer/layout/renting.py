@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from trainer.layout.recipe import ASSUMPTIONS, DTYPE_BYTES, PlanError, TargetShape
+from trainer.layout.recipe import ASSUMPTIONS, PlanError, TargetShape
 
 SEEDS_SAMPLES = 902_000  # the seeds' dataset (--samples' default when nothing else says)
 REGENERATE_CONCURRENCY = 16  # requests in flight per engine: regenerate_job_concurrency's and --concurrency's
@@ -47,7 +47,7 @@ def regenerate_rate(
     bw, tflops = spec.get("hbm_gb_s"), spec.get("bf16_tflops")
     if not bw or not tflops:
         return None
-    weights = t.params * DTYPE_BYTES[t.dtype] / tp
+    weights = t.weight_bytes / tp
     kv = c * (mean_tokens / 2) * kv_per_token / tp
     memory_s = (weights + kv) / (bw * 1e9 * HBM_EFFICIENCY)
     compute_s = c * 2 * t.params / (tp * tflops * 1e12 * ASSUMPTIONS["mfu"])

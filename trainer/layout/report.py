@@ -8,7 +8,7 @@ from typing import Any
 
 from trainer.layout.disk import render as render_disk
 from trainer.layout.hardware import GPU_CATALOG
-from trainer.layout.recipe import ASSUMPTIONS, DTYPE_BYTES, TargetShape
+from trainer.layout.recipe import ASSUMPTIONS, TargetShape
 from trainer.layout.renting import render as render_renting
 
 
@@ -22,7 +22,7 @@ def offline_arithmetic(
     gpus_per_copy: int | None,
 ) -> dict[str, Any]:
     a = ASSUMPTIONS
-    wb = DTYPE_BYTES[t.dtype]
+    wb = t.dtype_bytes
     per_token = n_aux * t.hidden * wb
     total_tokens = samples * mean_tokens
     out: dict[str, Any] = {

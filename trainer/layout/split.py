@@ -11,7 +11,6 @@ from typing import Any
 from trainer.layout.hybrid import tp_divides_linear, vllm_cache_bytes
 from trainer.layout.recipe import (
     ASSUMPTIONS,
-    DTYPE_BYTES,
     GIB,
     Recipe,
     TargetShape,
@@ -42,7 +41,7 @@ def vllm_gpu_bytes(
     extracted hidden-state rows (n_aux + the last state, on the first GPU) and a runtime reserve.
     A hybrid target's cache is vLLM's paged one (trainer/layout/hybrid.py `vllm_cache_bytes`) over
     `sequences` requests (default: the tokens in requests of `inference_tokens_per_sequence`)."""
-    wb = DTYPE_BYTES[t.dtype]
+    wb = t.dtype_bytes
     kv_per_token = 2 * t.layers * t.kv_heads * t.head_dim * wb
     kv = tokens_in_flight * kv_per_token / tp
     if t.linear is not None:
@@ -124,7 +123,7 @@ def choose_disaggregated(t: TargetShape, memory_gib: float, count: int, r: Recip
             "trainer_need": t_need,
             "reason": (
                 f"vLLM on GPUs {m}..{count - 1} (TP {tp}, DP {replicas}: the smallest TP whose shard of the "
-                f"{t.params * DTYPE_BYTES[t.dtype] / GIB:.1f} GiB target fits, "
+                f"{t.weight_bytes / GIB:.1f} GiB target fits, "
                 f"~{s_need / GIB:.1f} GiB of the {server_budget / GIB:.1f} GiB server budget); "
                 f"{m} trainer rank(s) on GPUs 0..{m - 1}, train.shard {shard}, ~{t_need / GIB:.1f} GiB each "
                 f"of {trainer_budget / GIB:.1f} GiB (headroom {1 - t_need / (memory_gib * GIB):.0%}); "

@@ -8,6 +8,10 @@ from typing import Any, Protocol
 
 from trainer.regenerate.meta import BACKENDS, RegenerateError
 
+# transformers' greedy decoding: no sampling, and the sampling values of the model's generation config
+# (temperature, top_p, top_k) set to None for this call (they mean nothing without sampling)
+GREEDY = {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+
 
 class GenerationBackend(Protocol):
     name: str
@@ -58,11 +62,8 @@ class TransformersBackend:
                 inp,
                 attention_mask=att,
                 max_new_tokens=max_new_tokens,
-                do_sample=False,
                 pad_token_id=self.pad_id,
-                temperature=None,
-                top_p=None,
-                top_k=None,
+                **GREEDY,
                 **stop,
             )
         return gen[:, width:].tolist()

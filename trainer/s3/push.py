@@ -92,36 +92,25 @@ def _plan(
         entry = manifest["files"][rel]
         key = loc.key(rel)
         h = head(client, loc.bucket, key)  # its metadata: sha256 and set
+        where = {"path": rel, "key": key, "size": entry["size"]}
         owner = foreign_owner(h, ours)
         if owner is not None:
-            return {"path": rel, "key": key, "size": entry["size"], "action": "refuse", "owner": owner}
+            return {**where, "action": "refuse", "owner": owner}
         if rel in (force or ()):
             why = "the last verify found this object missing or different: sent again"
-            return {"path": rel, "key": key, "size": entry["size"], "action": "upload", "why": why}
+            return {**where, "action": "upload", "why": why}
         if (
             h is not None
             and h.get("Metadata", {}).get(SHA_META) == entry["sha256"]
             and h["ContentLength"] == entry["size"]
         ):
-            return {
-                "path": rel,
-                "key": key,
-                "size": entry["size"],
-                "action": "skip",
-                "why": "same sha256 already at the key",
-            }
+            return {**where, "action": "skip", "why": "same sha256 already at the key"}
         ref = references.get(entry["sha256"])
         if ref is not None:
-            return {
-                "path": rel,
-                "key": key,
-                "size": entry["size"],
-                "action": "reference",
-                "location": ref,
-                "why": "an object with the same sha256 already lives in S3",
-            }
+            why = "an object with the same sha256 already lives in S3"
+            return {**where, "action": "reference", "location": ref, "why": why}
         why = "absent" if h is None else "differs (sha256 metadata or size)"
-        return {"path": rel, "key": key, "size": entry["size"], "action": "upload", "why": why}
+        return {**where, "action": "upload", "why": why}
 
     with ThreadPoolExecutor(16) as pool:
         return list(pool.map(decide, rels))
@@ -270,19 +259,8 @@ def _push(
             pushed["locations"] = {p["path"]: p["location"] for p in plan if p["action"] == "reference"}
             pushed["pushed_to"] = loc.url()
             body = (json.dumps(pushed, indent=1) + "\n").encode()
-            digest = hashlib.sha256(body).hexdigest()
-            h = head(client, loc.bucket, loc.key(MANIFEST_NAME))
-            if h is None or h.get("Metadata", {}).get(SHA_META) != digest or MANIFEST_NAME in (force or ()):
-                client.put_object(
-                    Bucket=loc.bucket,
-                    Key=loc.key(MANIFEST_NAME),
-                    Body=body,
-                    Metadata=_meta(digest, ours),
-                    ContentType="application/json",
-                )
-                report["manifest_uploaded_bytes"] = len(body)
-            else:
-                report["manifest_uploaded_bytes"] = 0
+            _, sent_whole = _put_whole(client, loc, MANIFEST_NAME, body, ours, force or set())
+            report["manifest_uploaded_bytes"] = len(body) if sent_whole else 0
             report["manifest_key"] = loc.key(MANIFEST_NAME)
         except Exception as exc:  # noqa: BLE001 - the endpoint died between the last object and the manifest
             failed.append(
@@ -331,6 +309,26 @@ def _refuse_other_sets(
     )
 
 
+def _put_whole(
+    client, loc: S3Location, name: str, body: bytes, set_id: str | None, force: set[str]
+) -> tuple[str, bool]:
+    """`body` as the object `name` under the prefix, uploaded whole (Content-MD5, sha256 and set
+    metadata) unless an object with the same sha256 is there already and `name` is not in `force`.
+    Returns (its sha256, whether it was sent)."""
+    digest = hashlib.sha256(body).hexdigest()
+    h = head(client, loc.bucket, loc.key(name))
+    if h is not None and h.get("Metadata", {}).get(SHA_META) == digest and name not in force:
+        return digest, False
+    client.put_object(
+        Bucket=loc.bucket,
+        Key=loc.key(name),
+        Body=body,
+        Metadata=_meta(digest, set_id),
+        ContentType="text/markdown" if name.endswith(".md") else "application/json",
+    )
+    return digest, True
+
+
 def _push_records(
     client,
     loc: S3Location,
@@ -339,27 +337,16 @@ def _push_records(
     set_id: str | None = None,
     force: set[str] | None = None,
 ) -> dict[str, dict[str, Any]]:
-    """NOTES.md and the JSON report: small, uploaded whole with Content-MD5 and sha256 metadata,
-    skipped when the object already has the same sha256."""
+    """NOTES.md and the JSON report: small, each uploaded whole (`_put_whole`), skipped when the object
+    already has the same sha256."""
     out = {}
     for name in names:
         p = set_dir / name
         if not p.is_file():
             continue
         body = p.read_bytes()
-        digest = hashlib.sha256(body).hexdigest()
-        h = head(client, loc.bucket, loc.key(name))
-        same = h is not None and h.get("Metadata", {}).get(SHA_META) == digest and name not in (force or ())
-        if not same:
-            ctype = "text/markdown" if name.endswith(".md") else "application/json"
-            client.put_object(
-                Bucket=loc.bucket,
-                Key=loc.key(name),
-                Body=body,
-                Metadata=_meta(digest, set_id),
-                ContentType=ctype,
-            )
-        out[name] = {"size": len(body), "sha256": digest, "uploaded": not same}
+        digest, sent_whole = _put_whole(client, loc, name, body, set_id, force or set())
+        out[name] = {"size": len(body), "sha256": digest, "uploaded": sent_whole}
     return out
 
 
