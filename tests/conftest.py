@@ -88,9 +88,6 @@ def train_tiny_drafter(
     """A real `dflash train` run of 150 steps (block 8, one layer, lr 3e-3) tapping `aux_ids`; returns its
     out_dir (`checkpoints/latest` is the drafter). About 20 s on 2 idle cores. `drafter`: more
     drafter keys (drafter.draft_vocab_size)."""
-    import subprocess
-    import sys
-
     cfg = write_config(
         root / "run.yaml",
         target,
@@ -117,14 +114,9 @@ def train_tiny_drafter(
         },
     )
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    res = subprocess.run(
-        [sys.executable, "-m", "trainer.cli", "train", "--config", str(cfg)],
-        check=False,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    from tests.cli_fork import run_dflash
+
+    res = run_dflash(["train", "--config", cfg], env=env, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return root / "run"
 

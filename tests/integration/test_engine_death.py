@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.cli_fork import run_dflash
 from tests.conftest import tiny_prompts
 from trainer.eval.prompts import write_prompt_file
 from trainer.vllm_engine import engine_error_line
@@ -29,9 +30,7 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 
 
 def dflash(*args, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [*DFLASH, *map(str, args)], env=ENV, capture_output=True, text=True, timeout=timeout, check=False
-    )
+    return run_dflash(args, env=ENV, timeout=timeout)
 
 
 def test_a_dying_vllm_engine_is_one_line_naming_its_error_and_log(trained_drafter, tiny_target, tmp_path):

@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tests.cli_fork import run_dflash
 from tests.conftest import tiny_prompts
 from trainer.eval.harness import CachedDrafter, speculate, target_greedy
 from trainer.eval.models import HookedTarget, aux_ids_of, load_drafter, speculators_folder
@@ -33,9 +34,7 @@ CPU = torch.device("cpu")
 
 
 def dflash(*args, timeout=300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [*DFLASH, *map(str, args)], check=False, env=ENV, capture_output=True, text=True, timeout=timeout
-    )
+    return run_dflash(args, env=ENV, timeout=timeout)
 
 
 def dflash_here(capsys, *args) -> subprocess.CompletedProcess:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.cli_fork import run_dflash
 from tests.conftest import tiny_prompts, train_tiny_drafter
 from tests.integration.conftest import cli_in_process
 from trainer.eval.prompts import write_prompt_file
@@ -21,9 +22,7 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "VLLM_LOGGIN
 
 
 def dflash(*args, timeout: int = 900) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [*DFLASH, *map(str, args)], env=ENV, capture_output=True, text=True, timeout=timeout, check=False
-    )
+    return run_dflash(args, env=ENV, timeout=timeout)
 
 
 def eval_both(drafter: Path, target: Path, prompts: Path, out: Path) -> dict:

@@ -7,13 +7,13 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.cli_fork import run_dflash
 from trainer.eval.models import load_drafter
 from trainer.export import probe_logits
 from trainer.store.checkpoint import STATE, read_latest
@@ -29,14 +29,7 @@ def export(*args) -> subprocess.CompletedProcess:
 
 
 def export_env(env, *args) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "trainer.cli", "export", *map(str, args)],
-        check=False,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return run_dflash(["export", *args], env=env, timeout=300)
 
 
 def test_export_is_weights_only_and_reloads_bit_identically(trained_drafter, tiny_target, tmp_path):

@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 
 import pytest
 
+from tests.cli_fork import run_dflash
 from tests.families import SERVED, TOKENIZER_SIZE
 from trainer.config.run import load_config
 
@@ -47,11 +47,11 @@ def test_vllm_serves_the_familys_export_and_counts_the_harness_tau(family_run, f
     assert family_exported.returncode == 0, family_exported.stdout[-3000:] + family_exported.stderr[-3000:]
     out = tmp_path / "report.json"
     started = time.perf_counter()
-    res = subprocess.run(
-        [*DFLASH, "eval", "--drafter", str(run.root / "export"), "--target", str(run.target),
-         "--prompts", str(run.prompts), "--max-new-tokens", str(NEW_TOKENS), "--ignore-eos",
-         "--check-lossless", "all", "--engine", "both", "--out", str(out)],
-        env=ENV, capture_output=True, text=True, timeout=600, check=False,
+    res = run_dflash(
+        ["eval", "--drafter", run.root / "export", "--target", run.target, "--prompts", run.prompts,
+         "--max-new-tokens", NEW_TOKENS, "--ignore-eos", "--check-lossless", "all", "--engine", "both",
+         "--out", out],
+        env=ENV, timeout=600,
     )  # fmt: skip
     wall = time.perf_counter() - started
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.cli_fork import run_dflash
 from tests.conftest import tiny_prompts, write_config
 
 pytestmark = pytest.mark.slow
@@ -30,9 +31,7 @@ BF16_SERVED_TOLERANCE = 0.2  # vLLM's tau in bf16 against the harness's in fp32 
 
 
 def dflash(*args, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [*DFLASH, *map(str, args)], env=ENV, capture_output=True, text=True, timeout=timeout, check=False
-    )
+    return run_dflash(args, env=ENV, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

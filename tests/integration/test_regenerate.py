@@ -20,6 +20,7 @@ import datasets
 import numpy as np
 import pytest
 
+from tests.cli_fork import run_dflash
 from tests.conftest import write_config
 from trainer.eval.prompts import write_prompt_file
 from trainer.regenerate import (
@@ -286,14 +287,7 @@ def test_eval_warns_when_thinking_mode_differs_from_training_data(chat_target, t
         train={"max_steps": 3, "checkpoint_every": 3, "max_tokens_per_batch": 256, "max_anchors": 16},
         preflight={"min_supervised_tokens": 2},
     )
-    res = subprocess.run(
-        [*DFLASH, "train", "--config", str(cfg)],
-        check=False,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    res = run_dflash(["train", "--config", cfg], env=ENV, timeout=300)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     evalp = prompts_file(tmp_path / "e.jsonl", 2, seed=3)
     common = [
@@ -473,23 +467,10 @@ def test_the_vllm_backend_writes_the_dataset_the_transformers_backend_writes(vll
         "8",
     ]
     out = tmp_path / "vllm"
-    res = subprocess.run(
-        [
-            *DFLASH,
-            "regenerate",
-            *map(str, common),
-            "--backend",
-            "vllm",
-            "--dtype",
-            "float32",
-            "--out",
-            str(out),
-        ],
+    res = run_dflash(
+        ["regenerate", *common, "--backend", "vllm", "--dtype", "float32", "--out", out],
         env={**ENV, "OMP_NUM_THREADS": "2"},
-        capture_output=True,
-        text=True,
         timeout=600,
-        check=False,
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     ref = regenerate(
@@ -509,13 +490,7 @@ def test_the_vllm_backend_writes_the_dataset_the_transformers_backend_writes(vll
             assert sum(mask) <= 24
     # the trainer's data gate takes the vLLM dataset as it takes the transformers one
     cfg = write_config(tmp_path / "run.yaml", vllm_sized_target, out, tmp_path / "run")
-    gate = subprocess.run(
-        [*DFLASH, "preflight", "--config", str(cfg), "--json"],
-        env=ENV,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    gate = run_dflash(["preflight", "--config", cfg, "--json"], env=ENV)
     report = json.loads(gate.stdout)
     assert [e for e in report["errors"] if e["code"].startswith("data.")] == [], report["errors"]
     assert report["data"]["usable"] >= 30, report["data"]
@@ -524,13 +499,10 @@ def test_the_vllm_backend_writes_the_dataset_the_transformers_backend_writes(vll
 def test_vllm_only_settings_are_refused_with_the_transformers_backend(vllm_sized_target, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"input_ids": [5, 6, 7]}\n')
-    res = subprocess.run(
-        [*DFLASH, "regenerate", "--target", str(vllm_sized_target), "--prompts", str(prompts)]
-        + ["--out", str(tmp_path / "o"), "--tensor-parallel-size", "2"],
+    res = run_dflash(
+        ["regenerate", "--target", vllm_sized_target, "--prompts", prompts]
+        + ["--out", tmp_path / "o", "--tensor-parallel-size", "2"],
         env=ENV,
-        capture_output=True,
-        text=True,
-        check=False,
     )
     assert res.returncode == 2 and "settings of --backend vllm" in res.stderr
     assert not (tmp_path / "o").exists() and not (tmp_path / ".o.partial").exists()
@@ -573,10 +545,9 @@ def test_server_backend_writes_the_dataset_the_transformers_backend_writes(serve
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
     common = ["--target", folder, "--prompts", prompts, "--max-new-tokens", "24", "--batch-size", "8"]
     out = tmp_path / "served"
-    res = subprocess.run(
-        [*DFLASH, "regenerate", *map(str, common), "--server", url, "--concurrency", "4", "--out", str(out)],
-        env=ENV, capture_output=True, text=True, timeout=600, check=False,
-    )  # fmt: skip
+    res = run_dflash(
+        ["regenerate", *common, "--server", url, "--concurrency", "4", "--out", out], env=ENV, timeout=600
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     ref = regenerate(
         RegenOptions(target=folder, prompts=prompts, out=tmp_path / "hf", max_new_tokens=24, batch_size=8)
@@ -593,11 +564,8 @@ def test_server_backend_writes_the_dataset_the_transformers_backend_writes(serve
     )
     # two engines (here the same server under two addresses): the prompts are dealt over both, same rows
     twin = url + "/v1"
-    res = subprocess.run(
-        [*DFLASH, "regenerate", *map(str, common), "--server", url, "--server", twin, "--concurrency", "2",
-         "--out", str(tmp_path / "two")],
-        env=ENV, capture_output=True, text=True, timeout=600, check=False,
-    )  # fmt: skip
+    two = ["--server", url, "--server", twin, "--concurrency", "2", "--out", tmp_path / "two"]
+    res = run_dflash(["regenerate", *common, *two], env=ENV, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert datasets.load_from_disk(str(tmp_path / "two"))["input_ids"] == got["input_ids"]
     assert read_data_meta(tmp_path / "two")["engine"].startswith(f"server {url}, {twin} (")
@@ -609,22 +577,16 @@ def test_a_server_that_does_not_answer_is_refused_before_any_work(vllm_sized_tar
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # nobody listens there once the socket is closed
-    base = [*DFLASH, "regenerate", "--target", str(vllm_sized_target), "--prompts", str(prompts)]
-    res = subprocess.run(
-        [*base, "--out", str(tmp_path / "o"), "--server", f"http://127.0.0.1:{port}", "--retries", "0"],
-        env=ENV, capture_output=True, text=True, timeout=120, check=False,
+    base = ["regenerate", "--target", vllm_sized_target, "--prompts", prompts]
+    res = run_dflash(
+        [*base, "--out", tmp_path / "o", "--server", f"http://127.0.0.1:{port}", "--retries", "0"],
+        env=ENV, timeout=120,
     )  # fmt: skip
     assert res.returncode == 2 and "no OpenAI-compatible server answers there" in res.stderr, res.stderr
     assert not (tmp_path / "o").exists()
-    res = subprocess.run(
-        [*base, "--out", str(tmp_path / "o"), "--server", "http://x", "--backend", "vllm"],
-        env=ENV, capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+    res = run_dflash([*base, "--out", tmp_path / "o", "--server", "http://x", "--backend", "vllm"], env=ENV)
     assert res.returncode == 2 and "a backend of its own" in res.stderr
-    res = subprocess.run(
-        [*base, "--out", str(tmp_path / "o"), "--concurrency", "3"],
-        env=ENV, capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+    res = run_dflash([*base, "--out", tmp_path / "o", "--concurrency", "3"], env=ENV, timeout=120)
     assert res.returncode == 2 and "settings of --server" in res.stderr
 
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.cli_fork import run_dflash
 from tests.conftest import wait_for, write_config
 from trainer.store.checkpoint import list_checkpoints, read_latest, verify_checkpoint, write_sums
 from trainer.store.events import load_events
@@ -54,9 +55,7 @@ def cfg_file(tmp_path, tiny_target, tiny_data, name="run", drafter=None, **train
 
 
 def run_train(cfg: Path, timeout=300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [*DFLASH, "train", "--config", str(cfg)], env=ENV, capture_output=True, text=True, timeout=timeout
-    )
+    return run_dflash(["train", "--config", cfg], env=ENV, timeout=timeout)
 
 
 def events_of(out_dir: Path, kind: str) -> list[dict]:
@@ -152,12 +151,7 @@ def test_a_draft_vocab_checkpoint_keeps_its_own_head_in_speculators_export_and_e
     kept = torch.arange(96) + saved["d2t"]
     assert torch.equal(model.verifier_lm_head.weight, target_head[kept])
     out = tmp_path / "export"
-    res = subprocess.run(
-        [*DFLASH, "export", "--checkpoint", str(tmp_path / "run"), "--out", str(out)],
-        env=ENV,
-        capture_output=True,
-        text=True,
-    )
+    res = run_dflash(["export", "--checkpoint", tmp_path / "run", "--out", out], env=ENV)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     exported = load_file(str(out / "model.safetensors"))
     assert torch.equal(exported["lm_head.weight"], saved["lm_head.weight"]) and torch.equal(
@@ -168,12 +162,10 @@ def test_a_draft_vocab_checkpoint_keeps_its_own_head_in_speculators_export_and_e
 
     prompts = write_prompt_file(tmp_path / "p.jsonl", [{"input_ids": p} for p in tiny_prompts(3)])
     report = tmp_path / "eval.json"
-    res = subprocess.run(
-        [*DFLASH, "eval", "--drafter", str(out), "--target", str(tiny_target), "--prompts", str(prompts)]
-        + ["--max-new-tokens", "16", "--ignore-eos", "--check-lossless", "3", "--out", str(report)],
+    res = run_dflash(
+        ["eval", "--drafter", out, "--target", tiny_target, "--prompts", prompts]
+        + ["--max-new-tokens", "16", "--ignore-eos", "--check-lossless", "3", "--out", report],
         env=ENV,
-        capture_output=True,
-        text=True,
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     rep = json.loads(report.read_text())

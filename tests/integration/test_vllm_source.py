@@ -21,6 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.cli_fork import run_dflash
 from tests.conftest import tiny_prompts, wait_for, write_config
 from trainer.store.checkpoint import load_trainer_state, read_latest
 from trainer.store.events import load_events
@@ -56,9 +57,7 @@ def config(path: Path, hs_target, name: str, *, target: dict | None = None, **tr
 
 
 def dflash(*args, timeout=600) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [*DFLASH, *map(str, args)], env=ENV, capture_output=True, text=True, timeout=timeout, check=False
-    )
+    return run_dflash(args, env=ENV, timeout=timeout)
 
 
 def events_of(out_dir: Path, kind: str) -> list[dict]:
