@@ -230,8 +230,15 @@ def _serve(folder: str, preload: list[str]) -> None:
     tmp.write_text(json.dumps(read))
     tmp.rename(Path(folder) / "ready.json")
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    parent = os.getppid()
+    srv.settimeout(2.0)
     while True:
-        conn, _ = srv.accept()
+        try:
+            conn, _ = srv.accept()
+        except TimeoutError:  # the pytest process that started it is gone (killed): so is the server
+            if os.getppid() != parent:
+                os._exit(0)
+            continue
         if os.fork() == 0:
             srv.close()
             try:
@@ -247,13 +254,21 @@ def _serve(folder: str, preload: list[str]) -> None:
 
 
 def _handle(conn: socket.socket) -> None:
-    """One command: fork the process that runs it, tell the client its pid, wait, send its exit status."""
+    """One command: fork the process that runs it, tell the client its pid, wait, send its exit status.
+    A client gone before the command ends (its test killed, timed out, or a rank's launcher killed it)
+    takes the command with it: SIGKILL, as a parent's death would through its pipes."""
+    import select
+
     req = _recv(conn)
     pid = os.fork()
     if pid == 0:
         conn.close()
         _run(req)  # never returns
     _send(conn, {"pid": pid})
+    pidfd = os.pidfd_open(pid)
+    ready, _, _ = select.select([pidfd, conn], [], [])
+    if pidfd not in ready:  # the client closed its end: nobody waits for this command any more
+        os.kill(pid, signal.SIGKILL)
     _, status = os.waitpid(pid, 0)
     _send(conn, {"code": os.waitstatus_to_exitcode(status)})
 

@@ -22,6 +22,9 @@ def main() -> int:
         "env": {k: v for k, v in os.environ.items() if k.startswith("PROBE_")},
         "hf_home": hub.HF_HOME, "random": random.random(), "preloaded": preloaded,
     }))  # fmt: skip
+    if os.environ.get("PROBE_PIDFILE"):
+        with open(os.environ["PROBE_PIDFILE"], "w") as f:
+            f.write(str(os.getpid()))
     atexit.register(lambda: print("atexit ran", file=sys.stderr))
     threading.Thread(target=lambda: (time.sleep(0.3), print("thread joined", file=sys.stderr))).start()
     time.sleep(sleep_s)

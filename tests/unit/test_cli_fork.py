@@ -8,12 +8,14 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import time
 
 import psutil
 import pytest
 
 from tests import cli_fork
+from tests.conftest import REPO, wait_for
 
 LIGHT = ("huggingface_hub.constants",)  # its constants read HF_HOME at import
 
@@ -80,3 +82,22 @@ def test_a_walk_of_the_environment_by_an_unknown_library_is_never_forked():
     srv.read["walked_by"] = ["tqdm"]
     assert srv.serves({"A": "1", "DFLASH_X": "2"}) and not srv.serves({"A": "1", "TQDM_MININTERVAL": "5"})
     assert not srv.serves({"A": "1", "OMP_NUM_THREADS": "4"})  # read by libgomp as it loads
+
+
+def test_a_killed_client_takes_its_command_and_its_server_with_it(tmp_path):
+    """A pytest process killed mid-command (SIGKILL: no atexit) leaves no command and no server behind."""
+    pidfile = tmp_path / "pid"
+    code = (
+        "from tests import cli_fork; "
+        f"cli_fork.run_module('tests.unit.fork_probe', [0, 120], preload={LIGHT!r})"
+    )
+    client = subprocess.Popen(
+        [sys.executable, "-c", code], env={**os.environ, "PROBE_PIDFILE": str(pidfile)}, cwd=REPO
+    )
+    assert wait_for(lambda: pidfile.exists() and pidfile.read_text(), timeout=60)
+    command = psutil.Process(int(pidfile.read_text()))
+    server = psutil.Process(command.ppid()).parent()
+    client.kill()
+    client.wait()
+    assert wait_for(lambda: not command.is_running() or command.status() == psutil.STATUS_ZOMBIE, timeout=20)
+    assert wait_for(lambda: not server.is_running() or server.status() == psutil.STATUS_ZOMBIE, timeout=20)
