@@ -55,6 +55,7 @@ C_PREFIXES = (
 # the libraries seen walking the whole environment at import, and the variables each then reads
 WALKERS = {"tqdm": "TQDM_", "networkx": "NETWORKX_", "fsspec": "FSSPEC_"}
 MAX_SERVERS = 4
+SERVER_ENV = "DFLASH_TEST_FORK_SERVER"  # the folder of the server a rank's tests/fork_exec.py asks
 _SERVERS: list[_Server] = []
 
 
@@ -88,6 +89,7 @@ class _Server:
         self.env, self.preload = env, preload
         self.dir = Path(tempfile.mkdtemp(prefix="dflash-fork-"))
         self.sock_path, self.ready_path = self.dir / "sock", self.dir / "ready.json"
+        (self.dir / "env.json").write_text(json.dumps(env))
         self.proc = subprocess.Popen(
             [sys.executable, __file__, str(self.dir), *preload],
             env=env,
@@ -134,6 +136,16 @@ def _close_all() -> None:
         srv.close()
 
 
+class _Attached(_Server):
+    """A server another process started, reached from its folder (`SERVER_ENV`): a rank's view."""
+
+    def __init__(self, folder: str):  # noqa: D107 (no process of its own to start)
+        self.dir = Path(folder)
+        self.sock_path, self.ready_path = self.dir / "sock", self.dir / "ready.json"
+        self.env = json.loads((self.dir / "env.json").read_text())
+        self.read = json.loads(self.ready_path.read_text())
+
+
 def _server_for(env: dict[str, str], preload: tuple[str, ...]) -> _Server | None:
     for srv in _SERVERS:
         if srv.preload == preload and srv.proc.poll() is None and srv.serves(env):
@@ -142,6 +154,15 @@ def _server_for(env: dict[str, str], preload: tuple[str, ...]) -> _Server | None
         return None
     _SERVERS.append(srv := _Server(env, preload))
     return srv
+
+
+def fork_env(env: dict[str, str], preload=PRELOAD) -> dict[str, str]:
+    """`env` for a launcher (torchrun) whose ranks run `-m tests.fork_exec MODULE ARGS`: it names a ready
+    server for `env`, through which each rank is forked (tests/fork_exec.py), or none (they exec)."""
+    srv = _server_for(dict(env), tuple(preload))
+    if srv is None or not srv.ready(time.monotonic() + 300):
+        return dict(env)
+    return {**env, SERVER_ENV: str(srv.dir)}
 
 
 def run_dflash(args, *, env=None, cwd=None, timeout: float | None = None, fork: bool = True):
@@ -166,25 +187,33 @@ def run_module(module: str, args, *, env=None, cwd=None, timeout: float | None =
         return subprocess.run(
             cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False
         )
-    sock = socket.socket(socket.AF_UNIX)
-    sock.connect(str(srv.sock_path))
-    with tempfile.TemporaryDirectory(prefix="dflash-run-") as tmp, sock:
+    with tempfile.TemporaryDirectory(prefix="dflash-run-") as tmp:
         out, err = Path(tmp) / "out", Path(tmp) / "err"
-        where = {"cwd": str(cwd or os.getcwd()), "out": str(out), "err": str(err)}
-        _send(sock, {"module": module, "argv": argv, "env": env, **where})
-        pid = _recv(sock)["pid"]
-        if timeout is not None:
-            sock.settimeout(max(0.1, start + timeout - time.monotonic()))
-        try:
-            status = _recv(sock)
-        except TimeoutError:
-            os.kill(pid, signal.SIGKILL)
-            sock.settimeout(60)
-            _recv(sock)
-            raise subprocess.TimeoutExpired(cmd, timeout, out.read_bytes(), err.read_bytes()) from None
+        with open(os.devnull, "rb") as fin, open(out, "wb") as fout, open(err, "wb") as ferr:
+            sock = _start(srv, module, argv, env, cwd, [fin.fileno(), fout.fileno(), ferr.fileno()])
+        with sock:
+            pid = _recv(sock)["pid"]
+            if timeout is not None:
+                sock.settimeout(max(0.1, start + timeout - time.monotonic()))
+            try:
+                status = _recv(sock)
+            except TimeoutError:
+                os.kill(pid, signal.SIGKILL)
+                sock.settimeout(60)
+                _recv(sock)
+                raise subprocess.TimeoutExpired(cmd, timeout, out.read_bytes(), err.read_bytes()) from None
         code = status["code"] if status else -int(signal.SIGKILL)
         stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")
         return subprocess.CompletedProcess(cmd, code, stdout, stderr)
+
+
+def _start(srv: _Server, module: str, argv: list[str], env: dict, cwd, fds: list[int]) -> socket.socket:
+    """Ask `srv` to fork `python -m MODULE ARGV` with `fds` as its stdin, stdout and stderr."""
+    sock = socket.socket(socket.AF_UNIX)
+    sock.connect(str(srv.sock_path))
+    socket.send_fds(sock, [b"f"], fds)
+    _send(sock, {"module": module, "argv": argv, "env": env, "cwd": str(cwd or os.getcwd())})
+    return sock
 
 
 # ------------------------------------------------------------------------------------------------ server
@@ -259,11 +288,15 @@ def _handle(conn: socket.socket) -> None:
     takes the command with it: SIGKILL, as a parent's death would through its pipes."""
     import select
 
+    _, fds, _, _ = socket.recv_fds(conn, 1, 3)
     req = _recv(conn)
+    req["fds"] = fds
     pid = os.fork()
     if pid == 0:
         conn.close()
         _run(req)  # never returns
+    for fd in fds:  # the command's now: a reader of its pipes sees their end when the command ends
+        os.close(fd)
     _send(conn, {"pid": pid})
     pidfd = os.pidfd_open(pid)
     ready, _, _ = select.select([pidfd, conn], [], [])
@@ -287,12 +320,9 @@ def _run(req: dict) -> None:
         os.chdir(req["cwd"])
         os.environ.clear()
         os.environ.update(req["env"])
-        for fd, name, flags in (
-            (0, os.devnull, os.O_RDONLY),
-            (1, req["out"], os.O_WRONLY | os.O_CREAT),
-            (2, req["err"], os.O_WRONLY | os.O_CREAT),
-        ):
-            os.dup2(os.open(name, flags, 0o600), fd)
+        for fd, theirs in enumerate(req["fds"]):  # the client's stdin, stdout and stderr
+            os.dup2(theirs, fd)
+            os.close(theirs)
         sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False), encoding="utf-8")
         unbuffered = bool(os.environ.get("PYTHONUNBUFFERED"))
         sys.stdout = io.TextIOWrapper(

@@ -19,6 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.cli_fork import fork_env
 from tests.conftest import wait_for
 from tests.integration.conftest import dflash_here
 from tests.integration.test_train import ENV, cfg_file, events_of, final_weights
@@ -82,12 +83,13 @@ def run_torchrun(cfg: Path, timeout=400, module: str = "trainer.cli") -> subproc
             "--nproc-per-node",
             "2",
             "-m",
+            "tests.fork_exec",  # each rank forked by this process's server (tests/cli_fork.py)
             module,
             "train",
             "--config",
             str(cfg),
         ],
-        env=ENV,
+        env=fork_env(ENV),
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -100,8 +102,8 @@ def run_torchrun_several(cfgs: list[Path], *extra: str, timeout=900) -> subproce
     the same rank processes and gloo group), `extra` its own options (--muon-on-shards OUT)."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     return subprocess.run(
-        [*torchrun, "-m", "tests.integration.several_runs", *map(str, cfgs), *extra],
-        env=ENV,
+        [*torchrun, "-m", "tests.fork_exec", "tests.integration.several_runs", *map(str, cfgs), *extra],
+        env=fork_env(ENV),
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.cli_fork import run_dflash
+from tests.cli_fork import fork_env, run_dflash
 from tests.conftest import tiny_prompts, wait_for, write_config
 from trainer.store.checkpoint import load_trainer_state, read_latest
 from trainer.store.events import load_events
@@ -251,14 +251,15 @@ def test_two_ranks_that_lose_their_owned_server_save_the_last_step_exactly_toget
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     ref = config(tmp_path, hs_target, "ref2", target={"vllm": {"url": hs_server}}, max_steps=12,
                  checkpoint_every=1, keep_checkpoints=12)  # fmt: skip
-    r = subprocess.run([*torchrun, "-m", "trainer.cli", "train", "--config", str(ref)], env=ENV,
+    ranks, env = ["-m", "tests.fork_exec", "trainer.cli"], fork_env(ENV)  # forked ranks (tests/cli_fork.py)
+    r = subprocess.run([*torchrun, *ranks, "train", "--config", str(ref)], env=env,
                        capture_output=True, text=True, timeout=600)  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     # the same max_steps (the lr schedule's length), the reference's only other change its checkpoints
     cfg = config(tmp_path, hs_target, "killed2", target={"vllm": {"retries": 2}}, max_steps=12,
                  checkpoint_every=100)  # fmt: skip
     out = tmp_path / "killed2"
-    proc = subprocess.Popen([*torchrun, "-m", "trainer.cli", "train", "--config", str(cfg)], env=ENV,
+    proc = subprocess.Popen([*torchrun, *ranks, "train", "--config", str(cfg)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)  # fmt: skip
     try:

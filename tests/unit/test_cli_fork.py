@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -101,3 +102,28 @@ def test_a_killed_client_takes_its_command_and_its_server_with_it(tmp_path):
     client.wait()
     assert wait_for(lambda: not command.is_running() or command.status() == psutil.STATUS_ZOMBIE, timeout=20)
     assert wait_for(lambda: not server.is_running() or server.status() == psutil.STATUS_ZOMBIE, timeout=20)
+
+
+def test_a_rank_through_fork_exec_is_forked_and_stands_for_its_launchers_child(servers, tmp_path):
+    """What torchrun starts as a rank (`-m tests.fork_exec MODULE ARGS`): forked by the test's server,
+    its exit code and stdout the launcher's child's; a SIGTERM to that child reaches the rank and the child
+    dies of it; without a server named it is the plain command."""
+    env = cli_fork.fork_env({**os.environ, "PROBE_PIDFILE": str(tmp_path / "pid")}, preload=LIGHT)
+    assert cli_fork.SERVER_ENV in env
+    rank = [sys.executable, "-m", "tests.fork_exec", "tests.unit.fork_probe"]
+    res = subprocess.run([*rank, "4"], env=env, cwd=REPO, capture_output=True, text=True, timeout=60)
+    seen = json.loads(res.stdout.splitlines()[0])
+    assert res.returncode == 4 and seen["preloaded"] and cli_fork.SERVER_ENV not in seen["env"]
+    assert "atexit ran" in res.stderr
+
+    (tmp_path / "pid").unlink()
+    launcher_child = subprocess.Popen([*rank, "0", "120"], env=env, cwd=REPO, stdout=subprocess.DEVNULL)
+    assert wait_for(lambda: (tmp_path / "pid").exists() and (tmp_path / "pid").read_text(), timeout=60)
+    command = psutil.Process(int((tmp_path / "pid").read_text()))
+    launcher_child.terminate()
+    assert launcher_child.wait(30) == -signal.SIGTERM
+    assert wait_for(lambda: not command.is_running() or command.status() == psutil.STATUS_ZOMBIE, timeout=20)
+
+    plain = {k: v for k, v in env.items() if k != cli_fork.SERVER_ENV}
+    res = subprocess.run([*rank, "0"], env=plain, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and not json.loads(res.stdout.splitlines()[0])["preloaded"]
