@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 from playwright.sync_api import expect, sync_playwright
 
+from tests.cli_fork import fork_env
 from tests.conftest import write_config
 from tests.integration.test_monitor_api import fake_nvidia_smi
 from trainer.monitor.alerts import Thresholds
@@ -253,12 +254,12 @@ def test_real_training_run_from_before_start_to_summary(browser, tmp_path, tiny_
         ctx, page, errors = open_page(browser, url, tmp_path)
         expect(page.get_by_test_id("step-text")).to_have_text("waiting for the run to start", timeout=15_000)
         page.evaluate(RECORDER)
-        train = subprocess.Popen(
-            [sys.executable, "-m", "trainer.cli", "train", "--config", str(cfg)],
+        train = subprocess.Popen(  # forked: tests/fork_exec.py stands for it (its output, its exit code)
+            [sys.executable, "-m", "tests.fork_exec", "trainer.cli", "train", "--config", str(cfg)],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            env=ENV,
+            env=fork_env(ENV),
         )
         expect(page.get_by_test_id("status")).to_have_text("running", timeout=120_000)
         page.wait_for_function("() => window.__steps.filter(s => s > 0).length >= 3", timeout=120_000)

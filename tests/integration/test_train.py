@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.cli_fork import run_dflash
+from tests.cli_fork import fork_env, run_dflash
 from tests.conftest import wait_for, write_config
 from trainer.store.checkpoint import list_checkpoints, read_latest, verify_checkpoint, write_sums
 from trainer.store.events import load_events
@@ -244,9 +244,9 @@ def test_exact_resume_after_kill_9(tmp_path, tiny_target, tiny_data):
 def test_a_stop_signal_writes_a_final_checkpoint_and_exits_0(tmp_path, tiny_target, tiny_data, sig):
     cfg = cfg_file(tmp_path, tiny_target, tiny_data, max_steps=500, checkpoint_every=1000)
     out = tmp_path / "run"
-    proc = subprocess.Popen(
-        [*DFLASH, "train", "--config", str(cfg)],
-        env=ENV,
+    proc = subprocess.Popen(  # forked (tests/fork_exec.py passes the signal on, exits with its code)
+        [sys.executable, "-m", "tests.fork_exec", "trainer.cli", "train", "--config", str(cfg)],
+        env=fork_env(ENV),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -270,9 +270,9 @@ def test_a_stop_that_outlasts_stop_timeout_exits_3_with_a_warning(tmp_path, tiny
         tmp_path, tiny_target, tiny_data, max_steps=500, checkpoint_every=1000, stop_timeout_s=0.001
     )
     out = tmp_path / "run"
-    proc = subprocess.Popen(
-        [*DFLASH, "train", "--config", str(cfg)],
-        env=ENV,
+    proc = subprocess.Popen(  # forked (tests/fork_exec.py passes the signal on, exits with its code)
+        [sys.executable, "-m", "tests.fork_exec", "trainer.cli", "train", "--config", str(cfg)],
+        env=fork_env(ENV),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
