@@ -22,6 +22,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.cli_fork import run_dflash
 from tests.conftest import wait_for, write_config
 from tests.s3servers import (
     TEST_ACCESS_KEY,
@@ -80,14 +81,7 @@ def finished_run(tmp_path_factory, tiny_target, tiny_data) -> Path:
         root / "run",
         train={**FAST, "max_steps": 4, "checkpoint_every": 2},
     )
-    res = subprocess.run(
-        [*DFLASH, "train", "--config", str(cfg)],
-        env=BASE_ENV,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    res = run_dflash(["train", "--config", cfg], env=BASE_ENV, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     return root / "run"
 

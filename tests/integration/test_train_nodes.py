@@ -20,6 +20,7 @@ import psutil
 import pytest
 import torch
 
+from tests.cli_fork import fork_env
 from tests.conftest import wait_for
 from tests.integration.test_train import ENV, cfg_file, events_of, final_weights
 from tests.integration.test_train_ranks import COMMON
@@ -30,9 +31,10 @@ DFLASH = [sys.executable, "-m", "trainer.cli"]
 
 
 def node_command(
-    cfg: Path, rank: int, port: int, module: str = "trainer.cli", restarts: int = 0
+    cfg: Path, rank: int, port: int, module: str = "trainer.cli", restarts: int = 0, fork: bool = False
 ) -> list[str]:
-    """What trainer_service renders on host `rank` of a 2-host group (roles/trainer_service/vars)."""
+    """What trainer_service renders on host `rank` of a 2-host group (roles/trainer_service/vars);
+    `fork`: the rank forked by the test's server (tests/fork_exec.py stands for it under the agent)."""
     return [
         sys.executable,
         "-m",
@@ -56,6 +58,7 @@ def node_command(
         "--max-restarts",
         str(restarts),
         "-m",
+        *(["tests.fork_exec"] if fork else []),
         module,
         "train",
         "--config",
@@ -64,14 +67,16 @@ def node_command(
 
 
 def start_nodes(
-    cfgs: list[Path], modules: tuple[str, ...] = ("trainer.cli",) * 2, restarts: int = 0, env=None
+    cfgs: list[Path], modules: tuple[str, ...] = ("trainer.cli",) * 2, restarts: int = 0, env=None, fork=False
 ):
     """One torchrun agent per node, with the environment its unit sets; node 1's agent first,
-    so that the rendezvous's own order (agent pids) would make it rank 0 if the trainer did not pin it."""
+    so that the rendezvous's own order (agent pids) would make it rank 0 if the trainer did not pin it.
+    `fork`: ranks forked (tests/cli_fork.py), not where salvage finds a live rank by its command line."""
     port = free_port()
+    env = fork_env(env or ENV) if fork else env
     return [
         subprocess.Popen(
-            node_command(cfgs[rank], rank, port, modules[rank], restarts),
+            node_command(cfgs[rank], rank, port, modules[rank], restarts, fork),
             env={**(env or ENV), "DFLASH_NODE_RANK": str(rank), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -116,7 +121,7 @@ def test_two_node_ranks_train_like_one_node_and_survive_a_killed_node(
     want = final_weights(ddp_run)  # one node running both ranks (torchrun --standalone)
 
     cfgs = node_configs(tmp_path, tiny_target, tiny_data, "two")
-    results = finish(start_nodes(cfgs))
+    results = finish(start_nodes(cfgs, fork=True))
     assert [rc for rc, _ in results] == [0, 0], "\n".join(t[-3000:] for _, t in results)
     node0, node1 = tmp_path / "two-node0", tmp_path / "two-node1"
     assert events_of(node0, "run_start")[0]["layout"]["world_size"] == 2
@@ -146,7 +151,8 @@ def test_two_node_ranks_train_like_one_node_and_survive_a_killed_node(
         tmp_path, tiny_target, tiny_data, "killed", collective_timeout_s=20, stall_min_s=2, stall_factor=2
     )
     env = {**ENV, "DFLASH_TEST_HANG_AT_STEP": "5"}
-    procs = start_nodes(cfgs, modules=("trainer.cli", "tests.integration.hang_at_step"), restarts=2, env=env)
+    modules = ("trainer.cli", "tests.integration.hang_at_step")
+    procs = start_nodes(cfgs, modules=modules, restarts=2, env=env, fork=True)
     k0, k1 = tmp_path / "killed-node0", tmp_path / "killed-node1"
     try:
         assert wait_for(lambda: (k1 / "hanging-in-step").is_file(), timeout=300), (
