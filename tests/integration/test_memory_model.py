@@ -26,6 +26,10 @@ MIB = 2**20
 VOCAB = {"vocab": 16384, "hidden": 64, "draft_layers": 1, "tokens": 1024, "anchors": 128, "block": 8}
 LAYERS = {"vocab": 1024, "hidden": 512, "draft_layers": 2, "tokens": 256, "anchors": 32, "block": 8}
 ADAMW = {"optimizer": "adamw"}  # the rows measured with AdamW (the run config's default is Muon)
+# Muon's row on a 384-wide drafter: profiled Newton-Schulz steps on LAYERS' 512 took 86.5 s on a quiet 2-core
+# machine against 33.6 s here, the same ratio to the model (0.991 and 0.981) with its optimizer term still the
+# dominant one (26 % and 22 % of the prediction; the assert wants 20 %)
+MUON_LAYERS = {**LAYERS, "hidden": 384}
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +46,7 @@ def bench_memory():
         (VOCAB, 1, ADAMW, "logits"),
         (VOCAB, 1, {**ADAMW, "loss_chunk_rows": 128}, "logits"),
         (LAYERS, 1, ADAMW, "drafter_optimizer"),
-        (LAYERS, 1, {"optimizer": "muon"}, "drafter_optimizer"),
+        (MUON_LAYERS, 1, {"optimizer": "muon"}, "drafter_optimizer"),
         (LAYERS, 2, {**ADAMW, "shard": "full"}, "drafter_gathered"),
     ],
     ids=["unchunked", "chunked", "one-rank", "one-rank-muon", "fsdp-2-ranks"],
