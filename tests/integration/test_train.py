@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.cli_fork import fork_env, run_dflash
+from tests.cli_fork import fork_env, run_dflash, run_module
 from tests.conftest import wait_for, write_config
 from trainer.store.checkpoint import list_checkpoints, read_latest, verify_checkpoint, write_sums
 from trainer.store.events import load_events
@@ -322,14 +322,8 @@ def test_warm_start_weights_are_the_ones_training_starts_from(tmp_path, tiny_tar
 
 
 def run_poisoned(cfg: Path, steps: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "tests.integration.poisoned_grads", "train", "--config", str(cfg)],
-        env={**ENV, "DFLASH_TEST_POISON_STEPS": steps},
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    env = {**ENV, "DFLASH_TEST_POISON_STEPS": steps}
+    return run_module("tests.integration.poisoned_grads", ["train", "--config", cfg], env=env, timeout=300)
 
 
 def test_a_nonfinite_gradient_skips_the_update_and_too_many_stop_the_run(tmp_path, tiny_target, tiny_data):
@@ -446,13 +440,8 @@ def test_a_step_that_diverges_never_becomes_a_checkpoint_and_a_restart_resumes_b
     restart (what the service does on exit 1) resumes from step 2 and finishes with finite weights."""
     cfg = cfg_file(tmp_path, tiny_target, tiny_data, max_steps=5, checkpoint_every=1, keep_checkpoints=5)
     out = tmp_path / "run"
-    res = subprocess.run(
-        [sys.executable, "-m", "tests.integration.diverging_step", "train", "--config", str(cfg)],
-        env={**ENV, "DFLASH_TEST_DIVERGE_STEPS": "3"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    env = {**ENV, "DFLASH_TEST_DIVERGE_STEPS": "3"}
+    res = run_module("tests.integration.diverging_step", ["train", "--config", cfg], env=env, timeout=300)
     assert res.returncode == 1, res.stdout[-2000:] + res.stderr[-2000:]
     assert "Traceback" not in res.stderr
     assert res.stderr.strip().splitlines()[-1].startswith("dflash train: step 3: non-finite values in ")
