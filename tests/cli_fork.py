@@ -115,11 +115,16 @@ class _Server:
         """Whether a command with `env` sees, through this server's imports, what its own would."""
         if self.read is None:
             return env == self.env
-        if any(w not in WALKERS for w in self.read["walked_by"]):
+        if self.walked_unknown():
             return False
         prefixes = C_PREFIXES + tuple(WALKERS[w] for w in self.read["walked_by"])
         keys = set(self.read["keys"]) | {k for k in (*env, *self.env) if k.startswith(prefixes)}
         return all(env.get(k) == self.env.get(k) for k in keys)
+
+    def walked_unknown(self) -> bool:
+        """An unknown library walked the whole environment while this imported: no command is forked by a
+        server of these imports (what it read cannot be named), so none is started for them again."""
+        return self.read is not None and any(w not in WALKERS for w in self.read["walked_by"])
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -150,7 +155,7 @@ def _server_for(env: dict[str, str], preload: tuple[str, ...]) -> _Server | None
     for srv in _SERVERS:
         if srv.preload == preload and srv.proc.poll() is None and srv.serves(env):
             return srv
-    if len(_SERVERS) >= MAX_SERVERS:
+    if len(_SERVERS) >= MAX_SERVERS or any(s.preload == preload and s.walked_unknown() for s in _SERVERS):
         return None
     _SERVERS.append(srv := _Server(env, preload))
     return srv

@@ -6,7 +6,6 @@ import contextlib
 import io
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -69,26 +68,3 @@ def dflash_here(*args) -> subprocess.CompletedProcess:
         os.environ.clear()
         os.environ.update(env)  # the trainer sets RANK; a child of a later test must not inherit it
     return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
-
-
-@contextlib.contextmanager
-def cli_in_process():
-    """Within the block, `subprocess.run([sys.executable, "-m", "trainer.cli", ...])` (a helper that
-    trains in a subprocess: tests/conftest.py's train_tiny_drafter) runs the verb in this process
-    (`dflash_here`) instead; any other command, and any the verb itself starts, runs for real."""
-    real = subprocess.run
-
-    def run(cmd, *args, **kwargs):
-        if list(cmd[:3]) != [sys.executable, "-m", "trainer.cli"]:
-            return real(cmd, *args, **kwargs)
-        subprocess.run = real  # the verb's own subprocesses are real ones
-        try:
-            return dflash_here(*cmd[3:])
-        finally:
-            subprocess.run = run
-
-    subprocess.run = run
-    try:
-        yield
-    finally:
-        subprocess.run = real

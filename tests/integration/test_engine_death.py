@@ -25,7 +25,6 @@ from trainer.vllm_engine import engine_error_line
 
 pytestmark = pytest.mark.slow
 
-DFLASH = [sys.executable, "-m", "trainer.cli"]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 
 

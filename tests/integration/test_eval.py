@@ -9,7 +9,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -28,7 +27,6 @@ from trainer.store.events import load_events
 pytestmark = pytest.mark.slow
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-DFLASH = [sys.executable, "-m", "trainer.cli"]
 STOP = {2}  # the tiny target's eos
 CPU = torch.device("cpu")
 

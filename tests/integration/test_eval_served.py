@@ -7,17 +7,14 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.cli_fork import run_dflash
 from tests.conftest import tiny_prompts, train_tiny_drafter
-from tests.integration.conftest import cli_in_process
 from trainer.eval.prompts import write_prompt_file
 
-DFLASH = [sys.executable, "-m", "trainer.cli"]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
 
 
@@ -54,8 +51,7 @@ def served_run(served_target, tmp_path_factory) -> Path:
 
     root = tmp_path_factory.mktemp("served")
     data = greedy_dataset(served_target, tiny_prompts(48), 56, root / "ds")
-    with cli_in_process():  # the same `dflash train`, in this process: its imports paid once
-        return train_tiny_drafter(served_target, data, root, [1, 3], drafter={"draft_vocab_size": 128})
+    return train_tiny_drafter(served_target, data, root, [1, 3], drafter={"draft_vocab_size": 128})
 
 
 def test_vllm_counts_the_harness_tau_and_a_causally_served_export_is_caught(

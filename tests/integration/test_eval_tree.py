@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from tests.conftest import tiny_prompts, train_tiny_drafter
-from tests.integration.conftest import cli_in_process
 from trainer.eval.harness import CachedDrafter, accepted_count, speculate, target_greedy
 from trainer.eval.models import HookedTarget, aux_ids_of, load_drafter
 from trainer.eval.tree import accept_path, build_tree, speculate_tree, tree_mask
@@ -27,10 +26,9 @@ CPU = torch.device("cpu")
 @pytest.fixture(scope="module")
 def trained_drafter(tiny_target, tiny_data, tmp_path_factory) -> Path:
     """tests/conftest.py's `trained_drafter` (the same `dflash train` run: train_tiny_drafter, aux ids
-    [1, 2]) trained in this process: no other test of the served lane (scripts/test) uses it, and a
-    subprocess would import torch, transformers and speculators again (~10 CPU-s)."""
-    with cli_in_process():
-        return train_tiny_drafter(tiny_target, tiny_data, tmp_path_factory.mktemp("trained-drafter"), [1, 2])
+    [1, 2]) for this module: no other test of the served lane (scripts/test) uses it; forked like every
+    `dflash train` of the tests (tests/cli_fork.py), so its imports are paid once per lane."""
+    return train_tiny_drafter(tiny_target, tiny_data, tmp_path_factory.mktemp("trained-drafter"), [1, 2])
 
 
 @pytest.fixture(scope="module")

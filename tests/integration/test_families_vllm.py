@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 
 import pytest
@@ -35,7 +34,6 @@ from trainer.config.run import load_config
 
 pytestmark = pytest.mark.slow
 
-DFLASH = [sys.executable, "-m", "trainer.cli"]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
 NEW_TOKENS = 40  # the matrix's: past gpt-oss's 16-token sliding window from an 8-token prompt
 TOLERANCE = 0.1  # test_eval_served.py's

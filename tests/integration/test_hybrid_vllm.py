@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +22,6 @@ from tests.conftest import tiny_prompts, write_config
 
 pytestmark = pytest.mark.slow
 
-DFLASH = [sys.executable, "-m", "trainer.cli"]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "2", "PYTHONUNBUFFERED": "1"}
 ENV["VLLM_LOGGING_LEVEL"] = "WARNING"
 BF16_TOLERANCE = 0.025  # test_vllm_source.py's: bf16 engines round differently at every layer

@@ -35,7 +35,6 @@ FAST = {
     "position_weights": "exp",
 }
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-DFLASH = [sys.executable, "-m", "trainer.cli"]
 
 
 DRAFTER = {"num_layers": 1, "block_size": 4, "aux_layer_ids": [1, 2], "mask_token_id": 511}

@@ -76,10 +76,14 @@ def test_a_command_past_its_timeout_is_killed(servers):
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
 
-def test_a_walk_of_the_environment_by_an_unknown_library_is_never_forked():
+def test_a_walk_of_the_environment_by_an_unknown_library_is_never_forked(servers):
     srv = cli_fork._Server.__new__(cli_fork._Server)
     srv.env, srv.read = {"A": "1"}, {"keys": ["HF_HOME"], "walked_by": ["somelib"]}
     assert not srv.serves({"A": "1"})
+    srv.preload, srv.proc = LIGHT, subprocess.Popen(["sleep", "30"])
+    servers.append(srv)  # no second server of the same imports is started: none of them could serve
+    res, seen = probe(0, env={**os.environ, "HF_HOME": "/elsewhere"})
+    assert servers == [srv] and not seen["preloaded"] and seen["hf_home"] == "/elsewhere"
     srv.read["walked_by"] = ["tqdm"]
     assert srv.serves({"A": "1", "DFLASH_X": "2"}) and not srv.serves({"A": "1", "TQDM_MININTERVAL": "5"})
     assert not srv.serves({"A": "1", "OMP_NUM_THREADS": "4"})  # read by libgomp as it loads
