@@ -12,10 +12,16 @@ from pathlib import Path
 import pytest
 
 from tests.cli_fork import run_dflash
-from tests.conftest import tiny_prompts, train_tiny_drafter
+from tests.conftest import ONE_PROCESS_ENGINE, tiny_prompts, train_tiny_drafter
 from trainer.eval.prompts import write_prompt_file
 
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+ENV = {
+    **os.environ,
+    "HF_HUB_OFFLINE": "1",
+    "OMP_NUM_THREADS": "1",
+    "VLLM_LOGGING_LEVEL": "WARNING",
+    **ONE_PROCESS_ENGINE,
+}
 
 
 def dflash(*args, timeout: int = 900) -> subprocess.CompletedProcess:

@@ -14,13 +14,14 @@ import torch
 from safetensors.torch import load_file
 
 from tests.cli_fork import run_dflash
+from tests.conftest import ONE_PROCESS_ENGINE
 from trainer.eval.models import load_drafter
 from trainer.export import probe_logits
 from trainer.store.checkpoint import STATE, read_latest
 
 pytestmark = pytest.mark.slow
 
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **ONE_PROCESS_ENGINE}
 CPU = torch.device("cpu")
 
 

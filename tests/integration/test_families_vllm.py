@@ -29,12 +29,19 @@ import time
 import pytest
 
 from tests.cli_fork import run_dflash
+from tests.conftest import ONE_PROCESS_ENGINE
 from tests.families import SERVED, TOKENIZER_SIZE
 from trainer.config.run import load_config
 
 pytestmark = pytest.mark.slow
 
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+ENV = {
+    **os.environ,
+    "HF_HUB_OFFLINE": "1",
+    "OMP_NUM_THREADS": "1",
+    "VLLM_LOGGING_LEVEL": "WARNING",
+    **ONE_PROCESS_ENGINE,
+}
 NEW_TOKENS = 40  # the matrix's: past gpt-oss's 16-token sliding window from an 8-token prompt
 TOLERANCE = 0.1  # test_eval_served.py's
 

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import ONE_PROCESS_ENGINE
+
 REPO = Path(__file__).resolve().parents[2]
 RUN_SH = REPO / "bench" / "gpu" / "run.sh"
 S3_ONLY = {"boto3", "botocore", "s3transfer", "jmespath"}  # salvage's; accelerate only probes for boto3
@@ -89,6 +91,7 @@ def test_cpu_smoke_runs_every_stage_and_imports_only_what_the_gpu_machine_will_h
         # thread per process spins and waits on busy cores (CPU spent, nothing gained); still set, so the
         # vLLM engines keep it too (trainer/vllm_engine.py: cpu_engine_env)
         "OMP_NUM_THREADS": "1",
+        **ONE_PROCESS_ENGINE,  # the stages' engines, what they compute: the H200 runs vLLM's processes
     }
     out = tmp_path / "out"
     res = run_sh("--cpu-smoke", "--out", str(out), env=env, timeout=900)

@@ -18,11 +18,17 @@ import numpy as np
 import pytest
 
 from tests.cli_fork import run_dflash
-from tests.conftest import tiny_prompts, write_config
+from tests.conftest import ONE_PROCESS_ENGINE, tiny_prompts, write_config
 
 pytestmark = pytest.mark.slow
 
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "2", "PYTHONUNBUFFERED": "1"}
+ENV = {
+    **os.environ,
+    "HF_HUB_OFFLINE": "1",
+    "OMP_NUM_THREADS": "2",
+    "PYTHONUNBUFFERED": "1",
+    **ONE_PROCESS_ENGINE,
+}
 ENV["VLLM_LOGGING_LEVEL"] = "WARNING"
 BF16_TOLERANCE = 0.025  # test_vllm_source.py's: bf16 engines round differently at every layer
 BF16_SERVED_TOLERANCE = 0.2  # vLLM's tau in bf16 against the harness's in fp32 (see the last test)

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from tests.cli_fork import run_dflash
-from tests.conftest import write_config
+from tests.conftest import ONE_PROCESS_ENGINE, write_config
 from trainer.eval.prompts import write_prompt_file
 from trainer.regenerate import (
     DATA_META,
@@ -34,7 +34,13 @@ from trainer.regenerate import (
 
 pytestmark = pytest.mark.slow
 
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+ENV = {
+    **os.environ,
+    "HF_HUB_OFFLINE": "1",
+    "OMP_NUM_THREADS": "1",
+    "PYTHONUNBUFFERED": "1",
+    **ONE_PROCESS_ENGINE,
+}
 DFLASH = [sys.executable, "-m", "trainer.cli"]
 SPECIAL = [
     "<pad>",

@@ -22,13 +22,19 @@ import torch
 from safetensors.torch import load_file
 
 from tests.cli_fork import fork_env, run_dflash
-from tests.conftest import tiny_prompts, wait_for, write_config
+from tests.conftest import ONE_PROCESS_ENGINE, tiny_prompts, wait_for, write_config
 from trainer.store.checkpoint import load_trainer_state, read_latest
 from trainer.store.events import load_events
 
 pytestmark = pytest.mark.slow
 
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+ENV = {
+    **os.environ,
+    "HF_HUB_OFFLINE": "1",
+    "OMP_NUM_THREADS": "1",
+    "PYTHONUNBUFFERED": "1",
+    **ONE_PROCESS_ENGINE,
+}
 DFLASH = [sys.executable, "-m", "trainer.cli"]
 AUX = [1, 3]  # the server keeps [1, 3, 4]: 4 is the verifier's last state
 TRAIN = {"max_tokens_per_batch": 256, "max_anchors": 32, "lr": 1.0e-3, "warmup_steps": 2}
@@ -248,6 +254,8 @@ def test_two_ranks_that_lose_their_owned_server_save_the_last_step_exactly_toget
     The trainer runs with the trainer service's PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, with
     which vLLM refuses any KV connector: its servers start without it, and the run says so."""
     monkeypatch.setitem(ENV, "PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    for name in ONE_PROCESS_ENGINE:  # the owned server killed as a node loses it: vLLM's own processes
+        monkeypatch.delitem(ENV, name)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     ref = config(tmp_path, hs_target, "ref2", target={"vllm": {"url": hs_server}}, max_steps=12,
                  checkpoint_every=1, keep_checkpoints=12)  # fmt: skip
