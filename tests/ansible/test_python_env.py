@@ -22,6 +22,15 @@ def test_python_env_installs_the_trainer_from_the_wheel_cache(
         )
         assert "--target-config" in r.stdout and "2.13.0+cpu" in r.stdout
         assert (host.root / "wheels" / next(p.name for p in wheel_cache.glob("torch-*.whl"))).is_file()
+        # compiled once at install (the services cannot write bytecode into root's venv): a module nothing
+        # imported yet has its .pyc, a package's test folder has none
+        site = f"{venv}/lib/python3*/site-packages"
+        r = host.ssh(
+            bed,
+            f"ls {site}/transformers/models/bert/__pycache__ | grep -c '^modeling_bert[.]'; "
+            f"ls {site}/numpy/_core/tests/__pycache__ 2>/dev/null | wc -l",
+        )
+        assert r.stdout.split() == ["1", "0"], r.stdout
     # the install said how far it was: one watch per install step, each line from the progress file the
     # source's watcher wrote around uv (bytes uv's cache and the venv grew by, rate; no total, no ETA)
     watched = [
@@ -60,6 +69,7 @@ def test_python_env_installs_the_trainer_from_the_wheel_cache(
         assert third.ok() and third.changed_tasks("node-a") == [
             "Push the trainer's source (pyproject.toml, trainer/, requirements/)",
             "Install the trainer package from the synced source",
+            "Compile the venv's bytecode (its services cannot write it)",
         ]
         r = host.ssh(bed, f"{venv}/bin/python -c 'import trainer.layout.plan as p; print(p.TEST_MARKER)'")
         assert r.stdout.strip() == "1"  # the installed package is the new source
