@@ -8,7 +8,12 @@ bound by CPU work in its busy phases (docs/quickstart.md): this names the work t
     .venv/bin/python bench/suite_cpu.py --report cpu.json      # print a saved sample again
 
 A process is counted from its first sample to its last, less the CPU it had when the sampling began (a
-process that lives less than 2 s may be missed; its parent does not get its time either). Linux only."""
+process that lives less than 2 s may be missed; its parent does not get its time either). Linux only.
+
+The tests' own clock (DFLASH_TEST_CLOCK, tests/conftest.py: each test's span and its pytest process's CPU)
+charges each process to a test: the one running in the pytest process it descends from, or, for a process
+outside pytest's tree (a test host's sshd session, a container's service), the one running in the lane
+whose tmp folder its command line names, when the process appeared."""
 
 from __future__ import annotations
 
@@ -43,8 +48,7 @@ KINDS = [
 ]
 
 
-def sample(stop: threading.Event, seen: dict, period: float = 2.0) -> None:
-    t0 = time.monotonic()
+def sample(stop: threading.Event, seen: dict, t0: float, period: float = 2.0) -> None:
     first_round = True
     while not stop.is_set():
         for pid in os.listdir("/proc"):
@@ -61,6 +65,7 @@ def sample(stop: threading.Event, seen: dict, period: float = 2.0) -> None:
                     cmd = raw.replace(b"\0", b" ").decode(errors="replace")
                     base = cpu if first_round else 0.0  # what it had before the sampling began
                     seen[key] = entry = {"pid": int(pid), "cmd": cmd.strip()[:300], "base": base, "cpu": cpu}
+                    entry["ppid"] = int(fields[1])
                     entry["first"] = round(time.monotonic() - t0, 1)
                 entry["cpu"] = max(entry["cpu"], cpu)
                 entry["last"] = round(time.monotonic() - t0, 1)
@@ -92,6 +97,45 @@ def report(data: dict, top: int) -> None:
     print(f"\nthe {top} processes that took the most (CPU s, seconds from the start, command):")
     for u, p in sorted(used, key=lambda x: -x[0])[:top]:
         print(f"{u:7.1f}  {p['first']:6.0f}-{p['last']:<6.0f} {p['cmd'][:150]}")
+    if data.get("tests"):
+        per_test(data, top)
+
+
+def per_test(data: dict, top: int) -> None:
+    """Each test's CPU: what its pytest process spent in it plus every process charged to it."""
+    tests, t0 = data["tests"], data["t0"]
+    lanes = {t["pid"] for t in tests}
+    by_pid = collections.defaultdict(list)
+    for p in data["processes"]:
+        by_pid[p["pid"]].append(p)
+
+    def lane_of(p: dict) -> int | None:
+        for _ in range(64):  # up the parent chain to a pytest process
+            if p["pid"] in lanes:
+                return p["pid"]
+            parents = [q for q in by_pid.get(p.get("ppid", 0), []) if q["first"] <= p["first"]]
+            if not parents:
+                break
+            p = max(parents, key=lambda q: q["first"])
+        return None
+
+    temps = {t["basetemp"]: t["pid"] for t in tests if t.get("basetemp")}
+    spent = collections.Counter({t["test"]: t["cpu"] for t in tests})
+    where = collections.Counter()
+    for p in data["processes"]:
+        if p["pid"] in lanes:
+            continue
+        lane = lane_of(p) or next((pid for tmp, pid in temps.items() if tmp in p["cmd"]), None)
+        at = t0 + p["first"]
+        test = next((t for t in tests if t["pid"] == lane and t["start"] - 2 <= at <= t["end"]), None)
+        name = test["test"] if test else "(no test: " + kind(p["cmd"]) + ")"
+        spent[name] += p["cpu"] - p["base"]
+        where[name if test else "unattributed"] += p["cpu"] - p["base"]
+    wall = {t["test"]: t["end"] - t["start"] for t in tests}
+    print(f"\nthe {top} tests that took the most (CPU s: pytest's own + its processes; wall s):")
+    for name, u in spent.most_common(top):
+        print(f"{u:7.1f}  {wall.get(name, 0):6.0f}  {name[:150]}")
+    print(f"(unattributed to a test: {where['unattributed'] / 60:.1f} CPU-min)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -107,14 +151,20 @@ def main(argv: list[str] | None = None) -> int:
     command = args.command or [str(REPO / "scripts" / "test")]
     seen: dict = {}
     stop = threading.Event()
-    sampler = threading.Thread(target=sample, args=(stop, seen), daemon=True)
-    sampler.start()
     start = time.monotonic()
-    rc = subprocess.run(command, check=False).returncode
+    sampler = threading.Thread(target=sample, args=(stop, seen, start), daemon=True)
+    sampler.start()
+    clock = args.out.with_suffix(".tests.jsonl")
+    clock.parent.mkdir(parents=True, exist_ok=True)
+    clock.unlink(missing_ok=True)
+    env = {**os.environ, "DFLASH_TEST_CLOCK": str(clock)}
+    rc = subprocess.run(command, check=False, env=env).returncode
     wall = time.monotonic() - start
     stop.set()
     sampler.join()
-    data = {"command": command, "rc": rc, "wall_s": wall, "processes": list(seen.values())}
+    tests = [json.loads(line) for line in clock.read_text().splitlines()] if clock.exists() else []
+    data = {"command": command, "rc": rc, "wall_s": wall, "t0": start, "processes": list(seen.values())}
+    data["tests"] = tests
     args.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = args.out.with_suffix(".tmp")
     tmp.write_text(json.dumps(data))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import time
@@ -26,6 +27,27 @@ REPO = Path(__file__).resolve().parents[1]
 # worker (test_engine_death.py), ranks losing their owned server (test_vllm_source.py), salvage ending a
 # left-behind server (test_salvage.py), and every container journey (the node's own environment).
 ONE_PROCESS_ENGINE = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+CLOCK = os.environ.get("DFLASH_TEST_CLOCK")  # bench/suite_cpu.py: where each test's span is appended
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """With DFLASH_TEST_CLOCK set (bench/suite_cpu.py sets it), one JSON line per test: its pytest process,
+    its span on the system's monotonic clock (setup to teardown) and the CPU pytest itself spent on it, so
+    the bench can charge every process a test started to that test."""
+    if not CLOCK:
+        yield
+        return
+    start, cpu = time.monotonic(), time.process_time()
+    yield
+    line = {"test": item.nodeid, "pid": os.getpid(), "start": start, "end": time.monotonic()}
+    line["cpu"] = time.process_time() - cpu
+    with contextlib.suppress(AttributeError, OSError):  # the lane's tmp folder names its tests' processes
+        line["basetemp"] = str(item.config._tmp_path_factory.getbasetemp())
+    with open(CLOCK, "a") as f:
+        f.write(json.dumps(line) + "\n")
 
 
 @pytest.fixture(scope="session")
