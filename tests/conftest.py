@@ -9,9 +9,16 @@ import subprocess
 import time
 from pathlib import Path
 
-import numpy as np
-import pytest
-import yaml
+# One OpenMP/torch thread per process unless a test asks for more, set before numpy and torch load: the suite
+# runs four pytest processes on 2 cores (scripts/test), where a second thread of a torch loop spins waiting
+# on a busy core. Measured, test_regenerate.py's kill -9 test (its reference and resume in this process):
+# alone 36 s / 26 CPU-s on two threads, 15 s / 15 CPU-s on one; inside the full suite on two threads it took
+# 228 s and 105 CPU-s of this process. Subprocesses inherit it unless their test's env says otherwise.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import yaml  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -206,10 +206,13 @@ def test_the_runbook_page_from_a_model_name_to_a_served_drafter(
         assert sum(1 for _ in open(root / "prompts" / "prompts.jsonl")) == 24
         # declared: the run ends at its 6th step (init wrote a real run's length). Trained on until salvage
         # stopped it, the tiny run spent a core through the second train.yml run and salvage's --check;
-        # salvage stopping a running trainer is tests/ansible/test_salvage_role.py's
-        written = (root / f"{RUN}.yaml").read_text()
-        capped, n = re.subn(r"(?m)^  max_steps: \d+$", "  max_steps: 6", written)
-        assert n == 1, "init's config no longer has one train.max_steps line: update the declared cap"
+        # salvage stopping a running trainer is tests/ansible/test_salvage_role.py's. And its steps are a
+        # tiny run's (init wrote a 32B run's batch: 8192 tokens, 512 anchors; measured on the tiny target
+        # here, 17 s and ~16 CPU-s a step, 6 steps 112 s; with 1024 tokens and 64 anchors, 24 s in all)
+        capped = (root / f"{RUN}.yaml").read_text()
+        for key, value in (("max_steps", 6), ("max_tokens_per_batch", 1024), ("max_anchors", 64)):
+            capped, n = re.subn(rf"(?m)^  {key}: \d+$", f"  {key}: {value}", capped)
+            assert n == 1, f"init's config no longer has one train.{key} line: update the declared cap"
         (root / f"{RUN}.yaml").write_text(capped)
 
         # the private file kept elsewhere and passed alone with -i stops at once, naming the fix (in
